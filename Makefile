@@ -1,0 +1,45 @@
+# The two commands a newcomer runs: `make demo` and `make test`. Both set up
+# everything they need on a fresh Debian machine (as root): apt packages, a venv.
+
+# Debian's interpreter, so the venv also works for the unprivileged users the tests run as.
+PYTHON ?= /usr/bin/python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+# Runtime tools, then the ones only the tests and benchmarks use.
+APT_RUNTIME = python3-venv squashfs-tools squashfuse fuse-overlayfs fuse3 proot util-linux git ca-certificates
+APT_TEST    = docker-registry siftool skopeo debootstrap openssl
+# One binary per package, to tell whether the packages are already there.
+APT_PROBES  = mksquashfs squashfuse_ll fuse-overlayfs proot unshare git docker-registry siftool skopeo debootstrap openssl
+
+.PHONY: all setup host venv test demo bench clean
+
+all: test
+
+host:
+	@missing=""; for t in $(APT_PROBES); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
+	$(PYTHON) -c 'import ensurepip' 2>/dev/null || missing="$$missing python3-venv"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing system packages (missing:$$missing)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(APT_RUNTIME) $(APT_TEST) >/dev/null; \
+	fi
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+setup: host venv
+
+test: setup
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+demo: setup
+	$(PY) -m image_builder.demo
+
+bench: setup
+	$(PY) -m bench.run
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,265 @@
+"""Run a command inside a root filesystem: chroot, user namespace or proot.
+
+- `chroot` (root): a new mount and pid namespace, then chroot. Every mount
+  lives in that namespace, so it vanishes with it: nothing is left mounted
+  after a failure, a timeout or Ctrl-C.
+- `userns` (unprivileged, where user namespaces are allowed): the same, in a
+  new user namespace mapping the caller to root. Costs almost nothing over chroot.
+- `proot` (anything else): `proot -0`, ptrace-based and slow on syscall-heavy work.
+
+The command starts from a clean, declared environment, never the host's (host
+`PIP_*` variables once broke pip inside a sandbox). The host's CA bundle and
+resolv.conf are passed in so pip and git work behind a TLS-inspecting proxy;
+they live on a tmpfs and never end up in the image.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import ImageBuilderError
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+CA_IN_SANDBOX = "/tmp/.image-builder/ca.pem"
+APT_CONF_IN_SANDBOX = "/tmp/.image-builder/apt.conf"
+# Passed through from the host so builds work behind a proxy.
+PROXY_VARS = ("http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "ftp_proxy")
+CA_VARS = ("SSL_CERT_FILE", "PIP_CERT", "REQUESTS_CA_BUNDLE", "GIT_SSL_CAINFO", "CURL_CA_BUNDLE",
+           "NODE_EXTRA_CA_CERTS")
+HOST_CA_CANDIDATES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt",
+                      "/etc/ssl/cert.pem")
+
+
+class SandboxError(ImageBuilderError):
+    pass
+
+
+class Backend(str, enum.Enum):
+    CHROOT = "chroot"
+    USERNS = "userns"
+    PROOT = "proot"
+
+
+@functools.cache
+def userns_available() -> bool:
+    try:
+        return subprocess.run(["unshare", "--user", "--map-root-user", "true"], capture_output=True,
+                              timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def detect_backend() -> Backend:
+    if os.geteuid() == 0:
+        return Backend.CHROOT
+    if userns_available():
+        return Backend.USERNS
+    if shutil.which("proot"):
+        return Backend.PROOT
+    raise SandboxError("no sandbox backend: not root, user namespaces are disabled and proot is not installed; "
+                       "install proot or ask the admin to allow unprivileged user namespaces")
+
+
+def host_ca_bundle() -> Path | None:
+    for candidate in (os.environ.get("SSL_CERT_FILE"), os.environ.get("REQUESTS_CA_BUNDLE"), *HOST_CA_CANDIDATES):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    return None
+
+
+@dataclass(frozen=True)
+class Bind:
+    src: Path
+    dest: str  # absolute path inside the sandbox
+    readonly: bool = True
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    root: Path
+    env: dict[str, str] = field(default_factory=dict)  # on top of the clean base environment
+    workdir: str = "/"
+    binds: tuple[Bind, ...] = ()
+    host_network_files: bool = True  # resolv.conf, CA bundle and proxy variables from the host
+
+
+@dataclass(frozen=True)
+class Result:
+    returncode: int
+    timed_out: bool
+    seconds: float
+    tail: tuple[str, ...]  # the last lines of output
+
+
+def clean_env(spec: SandboxSpec, backend: Backend) -> dict[str, str]:
+    env = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8", "TERM": os.environ.get("TERM", "dumb"),
+           "USER": "root", "LOGNAME": "root"}
+    if spec.host_network_files:
+        env.update({k: os.environ[k] for k in PROXY_VARS if k in os.environ})
+        if host_ca_bundle():
+            env.update({k: CA_IN_SANDBOX for k in CA_VARS})
+    if backend is not Backend.CHROOT:
+        # One uid is mapped: apt cannot drop to its _apt sandbox user.
+        env["APT_CONFIG"] = APT_CONF_IN_SANDBOX
+    if os.environ.get("SOURCE_DATE_EPOCH"):
+        env["SOURCE_DATE_EPOCH"] = os.environ["SOURCE_DATE_EPOCH"]
+    env.update(spec.env)
+    return env
+
+
+def _check_inside(root: Path, rel: str) -> Path:
+    """A mount target inside root: no component may be a symlink, which could point anywhere."""
+    path = root
+    for part in Path(rel.lstrip("/")).parts:
+        if part == "..":
+            raise SandboxError(f"mount target {rel!r} leaves the root")
+        path = path / part
+        if path.is_symlink():
+            raise SandboxError(f"{root}: {rel} is a symlink in the image; refusing to mount over it")
+    return path
+
+
+def _ensure_target(root: Path, rel: str, is_dir: bool) -> Path:
+    path = _check_inside(root, rel)
+    if not path.exists():
+        _check_inside(root, str(Path(rel).parent))
+        if is_dir:
+            path.mkdir(parents=True)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.touch()
+    return path
+
+
+def _namespace_command(spec: SandboxSpec, backend: Backend, argv: list[str], staging: Path) -> list[str]:
+    """unshare + a small sh prelude doing the mounts, then chroot. Host tools by absolute path."""
+    root = spec.root
+    tool = {t: shutil.which(t) or f"/usr/bin/{t}" for t in ("mount", "chroot", "unshare")}
+    mount = tool["mount"]
+    lines = ["set -e", f"R={shlex.quote(str(root))}"]
+    for d in ("dev", "proc", "sys", "tmp"):
+        _ensure_target(root, d, True)
+    lines += [f'{mount} --rbind /dev "$R/dev"',
+              f'{mount} -t proc proc "$R/proc"',
+              f'{mount} --rbind /sys "$R/sys"',
+              f'{mount} -o remount,bind,ro "$R/sys" 2>/dev/null || true',
+              f'{mount} -t tmpfs -o mode=1777 tmpfs "$R/tmp"',
+              f'mkdir "$R/tmp/.image-builder" && cp -a {shlex.quote(str(staging))}/. "$R/tmp/.image-builder/"']
+    if spec.host_network_files and Path("/etc/resolv.conf").exists():
+        try:
+            _ensure_target(root, "etc/resolv.conf", False)
+            lines.append(f'{mount} --bind /etc/resolv.conf "$R/etc/resolv.conf"')
+        except SandboxError:
+            pass  # a symlinked resolv.conf in the image is left alone
+    for b in spec.binds:
+        _ensure_target(root, b.dest, b.src.is_dir())
+        target = shlex.quote(str(root) + "/" + b.dest.lstrip("/"))
+        lines.append(f"{mount} --bind {shlex.quote(str(b.src))} {target}")
+        if b.readonly:
+            lines.append(f"{mount} -o remount,bind,ro {target}")
+    lines.append(f'cd "$R" && exec {tool["chroot"]} "$R" /bin/sh -c \'cd "$0" && exec "$@"\' '
+                 + " ".join(shlex.quote(a) for a in [spec.workdir, *argv]))
+    userns = ["--user", "--map-root-user"] if backend is Backend.USERNS else []
+    return [tool["unshare"], *userns, "--mount", "--pid", "--fork", "--kill-child", "--propagation", "private",
+            "--", "/bin/sh", "-c", "\n".join(lines)]
+
+
+def _proot_command(spec: SandboxSpec, argv: list[str], tmp: Path) -> list[str]:
+    cmd = ["proot", "-0", "-r", str(spec.root), "-b", "/dev", "-b", "/proc", "-b", "/sys",
+           "-b", f"{tmp}:/tmp", "-w", spec.workdir]
+    if spec.host_network_files and Path("/etc/resolv.conf").exists():
+        cmd += ["-b", "/etc/resolv.conf"]
+    for b in spec.binds:
+        cmd += ["-b", f"{b.src}:{b.dest}"]  # proot has no read-only binds
+    return [*cmd, *argv]
+
+
+def _stage(staging: Path, spec: SandboxSpec) -> None:
+    """Files the sandbox sees under /tmp/.image-builder (a tmpfs, never packed)."""
+    staging.mkdir(parents=True, exist_ok=True)
+    ca = host_ca_bundle() if spec.host_network_files else None
+    if ca:
+        shutil.copyfile(ca, staging / "ca.pem")
+    (staging / "apt.conf").write_text('APT::Sandbox::User "root";\n')
+
+
+def run(spec: SandboxSpec, argv: list[str], *, backend: Backend | None = None, timeout: float | None = None,
+        log: Path | None = None, echo: bool = False, interactive: bool = False, tail_lines: int = 20) -> Result:
+    """Run argv in the sandbox; output goes to `log` (and the terminal with echo).
+
+    On timeout the whole process group is killed; the pid namespace takes any
+    daemon or double-forked child with it.
+    """
+    backend = backend or detect_backend()
+    if not (spec.root / "bin" / "sh").exists() and not (spec.root / "bin").is_symlink():
+        raise SandboxError(f"{spec.root}: no /bin/sh in the root filesystem; is it a Linux image?")
+    with tempfile.TemporaryDirectory(prefix="ib-sandbox-") as tmp:
+        if backend is Backend.PROOT:  # proot's /tmp is a host directory holding the staged files
+            scratch = Path(tmp) / "tmp"
+            scratch.mkdir(mode=0o1777)
+            _stage(scratch / ".image-builder", spec)
+            cmd = _proot_command(spec, argv, scratch)
+        else:
+            staging = Path(tmp) / "staging"
+            _stage(staging, spec)
+            cmd = _namespace_command(spec, backend, argv, staging)
+        env = clean_env(spec, backend)
+        t0 = time.monotonic()
+        if interactive:
+            proc = subprocess.Popen(cmd, env=env)
+            return Result(proc.wait(), False, time.monotonic() - t0, ())
+        return _supervise(cmd, env, timeout, log, echo, tail_lines, t0)
+
+
+def _supervise(cmd, env, timeout, log, echo, tail_lines, t0) -> Result:
+    tail: deque[str] = deque(maxlen=tail_lines)
+    timed_out = False
+    log_file = open(log, "ab") if log else None
+    try:
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = t0 + timeout if timeout else None
+
+        def kill(*_):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+        timer = threading.Timer(max(0.0, deadline - time.monotonic()), kill) if deadline else None
+        if timer:
+            timer.start()
+        try:
+            for line in proc.stdout:
+                if log_file:
+                    log_file.write(line)
+                if echo:
+                    sys.stderr.buffer.write(line)
+                    sys.stderr.flush()
+                tail.append(line.decode(errors="replace").rstrip("\n"))
+            code = proc.wait()
+        except BaseException:  # Ctrl-C: take the whole sandbox down with us
+            kill()
+            proc.wait()
+            raise
+        finally:
+            if timer:
+                timer.cancel()
+        timed_out = bool(deadline) and time.monotonic() >= deadline and code != 0
+    finally:
+        if log_file:
+            log_file.close()
+    return Result(code, timed_out, time.monotonic() - t0, tuple(tail))

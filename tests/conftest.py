@@ -1,0 +1,156 @@
+"""Session fixtures: real registries over TLS on 127.0.0.1, seeded with test images."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import bcrypt
+import pytest
+
+from image_builder.cache import BlobCache
+from image_builder.registry import RegistryOptions
+from tests.support import oci
+from tests.support.oci import Entry
+from tests.support.registry import RegistryProcess, start_registry
+from tests.support.servers import FaultProxy, TokenIssuer
+from tests.support.tls import CertPair, self_signed
+
+REQUIRED_TOOLS = ["docker-registry", "mksquashfs", "unsquashfs", "squashfuse_ll", "siftool", "skopeo", "openssl",
+                  "setpriv", "unshare", "fusermount3"]
+
+
+def pytest_sessionstart(session):
+    missing = [t for t in REQUIRED_TOOLS if shutil.which(t) is None]
+    if missing:  # never skip: the suite is only meaningful with the real tools
+        raise pytest.UsageError(f"missing tools {missing}: run `make test`, which installs them")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fuse_for_everyone():
+    """HPC hosts leave /dev/fuse mode 666 so users can mount squashfuse; do the same here."""
+    if os.geteuid() == 0 and os.path.exists("/dev/fuse"):
+        os.chmod("/dev/fuse", 0o666)
+
+
+@pytest.fixture(autouse=True)
+def no_host_credentials(tmp_path, monkeypatch):
+    monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "no-docker-config"))
+    monkeypatch.delenv("REGISTRY_AUTH_FILE", raising=False)
+
+
+@dataclass
+class Registries:
+    tls: CertPair
+    open: RegistryProcess
+    basic: RegistryProcess
+    token: RegistryProcess
+    issuer: TokenIssuer
+    users: dict[str, str]
+    pusher: oci.Pusher
+
+
+@pytest.fixture(scope="session")
+def registries(tmp_path_factory):
+    work = tmp_path_factory.mktemp("registries")
+    tls = self_signed(work, "server")
+    storage = work / "storage"
+    storage.mkdir()
+    users = {"alice": "wonderland"}
+    htpasswd = work / "htpasswd"
+    htpasswd.write_text("".join(f"{u}:{bcrypt.hashpw(p.encode(), bcrypt.gensalt(rounds=4)).decode()}\n"
+                                for u, p in users.items()))
+    issuer = TokenIssuer(self_signed(work, "token-signer", cn="image-builder-test-issuer"), tls).start()
+    started = []
+    try:
+        started.append(start_registry(work, "open", storage, tls.cert, tls.key))
+        started.append(start_registry(work, "basic", storage, tls.cert, tls.key,
+                                      {"htpasswd": {"realm": "image-builder-test", "path": str(htpasswd)}}))
+        started.append(start_registry(work, "token", storage, tls.cert, tls.key, {"token": {
+            "realm": issuer.realm, "service": issuer.service, "issuer": issuer.issuer,
+            "rootcertbundle": str(issuer.signing.cert)}}))
+        yield Registries(tls, *started, issuer, users, oci.Pusher(started[0].url, str(tls.cert)))
+    finally:
+        for reg in started:
+            reg.stop()
+        issuer.stop()
+
+
+@dataclass
+class TestImages:
+    multi: oci.Blob  # manifest of test/multi:1
+    multi_layers: list[oci.Blob]
+    multiarch_index: oci.Blob
+    multiarch: dict[str, oci.Blob]  # arch -> manifest
+    docker_list: oci.Blob
+    big: oci.Blob
+    big_layers: list[oci.Blob]
+
+
+def _arch_image(pusher, repo: str, arch: str, docker: bool = False) -> oci.Blob:
+    layer = oci.layer([Entry("arch", arch.encode())], "gzip", docker=docker)
+    return pusher.image(repo, arch, oci.config_blob(arch, docker=docker), [layer], docker=docker)
+
+
+@pytest.fixture(scope="session")
+def images(registries) -> TestImages:
+    p = registries.pusher
+    multi_layers = [
+        oci.layer([Entry("etc", kind="dir", mode=0o755), Entry("etc/a", b"a1"), Entry("etc/b", b"b1"),
+                   Entry("etc/dir", kind="dir", mode=0o755), Entry("etc/dir/x", b"x1"),
+                   Entry("usr/bin/tool", b"#!/bin/sh\n", mode=0o755)], "gzip"),
+        oci.layer([Entry("etc/.wh.a"), Entry("etc/c", b"c2"), Entry("etc/b", b"b2")], "zstd"),
+        oci.layer([Entry("etc/dir/.wh..wh..opq"), Entry("etc/dir/y", b"y3")], "none"),
+    ]
+    multi = p.image("test/multi", "1", oci.config_blob(), multi_layers)
+
+    # Each manifest an index names must already be in the index's repository.
+    per_arch = {a: _arch_image(p, "test/multiarch", a) for a in ("amd64", "arm64")}
+    attestation = p.image("test/multiarch", "att", oci.config_blob("unknown"),
+                          [oci.layer([Entry("att", b"sbom")])])
+    idx = oci.index([(attestation, {"os": "unknown", "architecture": "unknown"},
+                      {"vnd.docker.reference.type": "attestation-manifest",
+                       "vnd.docker.reference.digest": per_arch["amd64"].digest}),
+                     (per_arch["amd64"], {"os": "linux", "architecture": "amd64"}, None),
+                     (per_arch["arm64"], {"os": "linux", "architecture": "arm64", "variant": "v8"}, None)])
+    p.manifest("test/multiarch", "1", idx)
+
+    docker_amd64 = _arch_image(p, "test/docker", "amd64", docker=True)
+    dlist = oci.index([(docker_amd64, {"os": "linux", "architecture": "amd64"}, None)], docker=True)
+    p.manifest("test/docker", "1", dlist)
+
+    big_layers = [oci.layer([Entry(f"data/{i}.bin", os.urandom(3 << 20))], "gzip") for i in range(3)]
+    big = p.image("test/big", "1", oci.config_blob(), big_layers)
+    return TestImages(multi, multi_layers, idx, per_arch, dlist, big, big_layers)
+
+
+@pytest.fixture
+def cache(tmp_path) -> BlobCache:
+    return BlobCache(tmp_path / "cache")
+
+
+@pytest.fixture
+def options(registries) -> RegistryOptions:
+    return RegistryOptions(ca_cert=registries.tls.cert, backoff=0.01, max_backoff=0.05)
+
+
+@pytest.fixture
+def proxy(registries):
+    """A fault proxy in front of the open registry; redirects go to the open registry too."""
+    p = FaultProxy(registries.open.url, registries.tls, direct=registries.open.url).start()
+    yield p
+    p.stop()
+
+
+def run_cli(*args: str, env: dict | None = None, user: int | None = None, check: bool = False,
+            input: str | None = None) -> subprocess.CompletedProcess:
+    """The installed console script, as a real process (optionally as another uid)."""
+    exe = Path(os.environ.get("VIRTUAL_ENV", Path(__file__).resolve().parents[1] / ".venv")) / "bin" / "image-builder"
+    cmd = [str(exe), *args]
+    if user is not None:
+        cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
+    return subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})},
+                          check=check, input=input)
