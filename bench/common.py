@@ -17,6 +17,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from image_builder.bases import debian_rootfs
+
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("IMAGE_BUILDER_BENCH_CACHE", Path.home() / ".cache" / "image_builder-bench"))
 OUT = ROOT / "bench" / "out"
@@ -35,17 +37,8 @@ def need(tool: str) -> str:
 
 def python_rootfs(suite: str = "bookworm") -> Path:
     """Debian minbase + python3 (about 260 MB), made once with debootstrap and kept in the bench cache."""
-    dest = CACHE / f"{suite}-python"
-    if not dest.is_dir():
-        need("debootstrap")
-        tmp = CACHE / f"{suite}-python.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        CACHE.mkdir(parents=True, exist_ok=True)
-        print(f"making a {suite} python rootfs with debootstrap (about a minute, once)", flush=True)
-        subprocess.run(["debootstrap", "--variant=minbase", "--include=python3", suite, str(tmp)], check=True,
-                       stdout=subprocess.DEVNULL)
-        tmp.rename(dest)
-    return dest
+    need("debootstrap")
+    return debian_rootfs(suite, CACHE, include=("python3",))
 
 
 def timed(cmd: list[str] | str, *, env: dict | None = None, setup=None, repeat: int = 3, **kw) -> float:

@@ -14,33 +14,22 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from image_builder.localregistry import push_image, rootfs_layer, self_signed_cert, start_registry
 from bench.common import CACHE, VENV_BIN, Report, Row, need, python_rootfs, timed
-from tests.support import oci
-from tests.support.registry import start_registry
 from tests.support.servers import FaultProxy
-from tests.support.tls import self_signed
-
-
-def gzip_layer(rootfs: Path) -> Path:
-    layer = CACHE / f"{rootfs.name}.tar.gz"
-    if not layer.exists():
-        tmp = layer.with_suffix(".tmp")
-        subprocess.run(f"tar -C {rootfs} --numeric-owner -cf - . | gzip -6 > {tmp}", shell=True, check=True)
-        tmp.rename(layer)
-    return layer
 
 
 def main() -> Report:
     skopeo, ch_image = need("skopeo"), need("ch-image")
-    layer_path = gzip_layer(python_rootfs())
+    rootfs = python_rootfs()
+    layer_path = rootfs_layer(rootfs, CACHE / f"{rootfs.name}.tar.gz")
     report = Report("pull")
     with tempfile.TemporaryDirectory(prefix="ib-bench-pull-") as tmp:
         work = Path(tmp)
-        tls = self_signed(work, "server")
-        reg = start_registry(work, "bench", work / "storage", tls.cert, tls.key)
+        tls = self_signed_cert(work, "server")
+        reg = start_registry(work, "bench", work / "storage", tls)
         try:
-            layer = oci.Blob(layer_path.read_bytes(), oci.OCI_LAYER + "+gzip")
-            oci.Pusher(reg.url, str(tls.cert)).image("bench/python", "1", oci.config_blob(), [layer])
+            push_image(reg.url, "bench/python", "1", [layer_path], ca=tls.cert)
             ref = f"{reg.host}/bench/python:1"
             certs = work / "certs"
             certs.mkdir()

@@ -12,12 +12,12 @@ import bcrypt
 import pytest
 
 from image_builder.cache import BlobCache
+from image_builder.localregistry import CertPair, LocalRegistry, start_registry
+from image_builder.localregistry import self_signed_cert as self_signed
 from image_builder.registry import RegistryOptions
 from tests.support import oci
 from tests.support.oci import Entry
-from tests.support.registry import RegistryProcess, start_registry
 from tests.support.servers import FaultProxy, TokenIssuer
-from tests.support.tls import CertPair, self_signed
 
 REQUIRED_TOOLS = ["docker-registry", "mksquashfs", "unsquashfs", "squashfuse_ll", "siftool", "skopeo", "openssl",
                   "setpriv", "unshare", "fusermount3"]
@@ -45,9 +45,9 @@ def no_host_credentials(tmp_path, monkeypatch):
 @dataclass
 class Registries:
     tls: CertPair
-    open: RegistryProcess
-    basic: RegistryProcess
-    token: RegistryProcess
+    open: LocalRegistry
+    basic: LocalRegistry
+    token: LocalRegistry
     issuer: TokenIssuer
     users: dict[str, str]
     pusher: oci.Pusher
@@ -66,10 +66,10 @@ def registries(tmp_path_factory):
     issuer = TokenIssuer(self_signed(work, "token-signer", cn="image-builder-test-issuer"), tls).start()
     started = []
     try:
-        started.append(start_registry(work, "open", storage, tls.cert, tls.key))
-        started.append(start_registry(work, "basic", storage, tls.cert, tls.key,
+        started.append(start_registry(work, "open", storage, tls))
+        started.append(start_registry(work, "basic", storage, tls,
                                       {"htpasswd": {"realm": "image-builder-test", "path": str(htpasswd)}}))
-        started.append(start_registry(work, "token", storage, tls.cert, tls.key, {"token": {
+        started.append(start_registry(work, "token", storage, tls, {"token": {
             "realm": issuer.realm, "service": issuer.service, "issuer": issuer.issuer,
             "rootcertbundle": str(issuer.signing.cert)}}))
         yield Registries(tls, *started, issuer, users, oci.Pusher(started[0].url, str(tls.cert)))
