@@ -6,6 +6,7 @@ in the cache; `localregistry` can then serve it as an OCI image.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import shutil
 import subprocess
@@ -28,9 +29,17 @@ def debian_rootfs(suite: str, cache_dir: Path, include: tuple[str, ...] = PYTHON
         return dest
     if not shutil.which("debootstrap"):
         raise BaseError("debootstrap is not installed: apt-get install debootstrap")
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with open(cache_dir / f"{dest.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one debootstrap per tree, however many processes ask
+        if not (dest / "bin").exists():
+            _debootstrap(suite, include, dest)
+    return dest
+
+
+def _debootstrap(suite: str, include: tuple[str, ...], dest: Path) -> None:
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    cache_dir.mkdir(parents=True, exist_ok=True)
     r = subprocess.run(["debootstrap", "--variant=minbase", f"--include={','.join(include)}", suite, str(tmp)],
                        capture_output=True, text=True)
     if r.returncode:
@@ -39,4 +48,3 @@ def debian_rootfs(suite: str, cache_dir: Path, include: tuple[str, ...] = PYTHON
     shutil.rmtree(tmp / "var/cache/apt/archives", ignore_errors=True)
     (tmp / "var/cache/apt/archives/partial").mkdir(parents=True, exist_ok=True)
     tmp.rename(dest)
-    return dest

@@ -132,26 +132,40 @@ def _check_inside(root: Path, rel: str) -> Path:
     return path
 
 
-def _ensure_target(root: Path, rel: str, is_dir: bool) -> Path:
+def _ensure_target(root: Path, rel: str, is_dir: bool, created: list[Path]) -> Path:
+    """Create a missing mount point, remembering it so it can be removed after the run."""
     path = _check_inside(root, rel)
     if not path.exists():
-        _check_inside(root, str(Path(rel).parent))
+        missing = [p for p in [path, *path.parents] if p != root and root in p.parents and not p.exists()]
         if is_dir:
             path.mkdir(parents=True)
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.touch()
+        created.extend(missing)  # deepest first, the order to remove them in
     return path
 
 
-def _namespace_command(spec: SandboxSpec, backend: Backend, argv: list[str], staging: Path) -> list[str]:
+def _remove_mount_points(created: list[Path]) -> None:
+    for p in created:
+        try:
+            if p.is_dir() and not p.is_symlink():
+                p.rmdir()
+            elif p.stat().st_size == 0:
+                p.unlink()
+        except OSError:
+            pass  # a script put something there: it belongs to the image now
+
+
+def _namespace_command(spec: SandboxSpec, backend: Backend, argv: list[str], staging: Path,
+                       created: list[Path]) -> list[str]:
     """unshare + a small sh prelude doing the mounts, then chroot. Host tools by absolute path."""
     root = spec.root
     tool = {t: shutil.which(t) or f"/usr/bin/{t}" for t in ("mount", "chroot", "unshare")}
     mount = tool["mount"]
     lines = ["set -e", f"R={shlex.quote(str(root))}"]
     for d in ("dev", "proc", "sys", "tmp"):
-        _ensure_target(root, d, True)
+        _ensure_target(root, d, True, created)
     lines += [f'{mount} --rbind /dev "$R/dev"',
               f'{mount} -t proc proc "$R/proc"',
               f'{mount} --rbind /sys "$R/sys"',
@@ -160,12 +174,12 @@ def _namespace_command(spec: SandboxSpec, backend: Backend, argv: list[str], sta
               f'mkdir "$R/tmp/.image-builder" && cp -a {shlex.quote(str(staging))}/. "$R/tmp/.image-builder/"']
     if spec.host_network_files and Path("/etc/resolv.conf").exists():
         try:
-            _ensure_target(root, "etc/resolv.conf", False)
+            _ensure_target(root, "etc/resolv.conf", False, created)
             lines.append(f'{mount} --bind /etc/resolv.conf "$R/etc/resolv.conf"')
         except SandboxError:
             pass  # a symlinked resolv.conf in the image is left alone
     for b in spec.binds:
-        _ensure_target(root, b.dest, b.src.is_dir())
+        _ensure_target(root, b.dest, b.src.is_dir(), created)
         target = shlex.quote(str(root) + "/" + b.dest.lstrip("/"))
         lines.append(f"{mount} --bind {shlex.quote(str(b.src))} {target}")
         if b.readonly:
@@ -187,9 +201,12 @@ def _proot_command(spec: SandboxSpec, argv: list[str], tmp: Path) -> list[str]:
     return [*cmd, *argv]
 
 
-def _stage(staging: Path, spec: SandboxSpec) -> None:
+def _stage(staging: Path, spec: SandboxSpec, files: dict[str, Path]) -> None:
     """Files the sandbox sees under /tmp/.image-builder (a tmpfs, never packed)."""
     staging.mkdir(parents=True, exist_ok=True)
+    for rel, src in files.items():
+        (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, staging / rel)
     ca = host_ca_bundle() if spec.host_network_files else None
     if ca:
         shutil.copyfile(ca, staging / "ca.pem")
@@ -197,7 +214,8 @@ def _stage(staging: Path, spec: SandboxSpec) -> None:
 
 
 def run(spec: SandboxSpec, argv: list[str], *, backend: Backend | None = None, timeout: float | None = None,
-        log: Path | None = None, echo: bool = False, interactive: bool = False, tail_lines: int = 20) -> Result:
+        log: Path | None = None, echo: bool = False, interactive: bool = False, tail_lines: int = 20,
+        files: dict[str, Path] | None = None) -> Result:
     """Run argv in the sandbox; output goes to `log` (and the terminal with echo).
 
     On timeout the whole process group is killed; the pid namespace takes any
@@ -206,22 +224,25 @@ def run(spec: SandboxSpec, argv: list[str], *, backend: Backend | None = None, t
     backend = backend or detect_backend()
     if not (spec.root / "bin" / "sh").exists() and not (spec.root / "bin").is_symlink():
         raise SandboxError(f"{spec.root}: no /bin/sh in the root filesystem; is it a Linux image?")
+    created: list[Path] = []
     with tempfile.TemporaryDirectory(prefix="ib-sandbox-") as tmp:
-        if backend is Backend.PROOT:  # proot's /tmp is a host directory holding the staged files
-            scratch = Path(tmp) / "tmp"
-            scratch.mkdir(mode=0o1777)
-            _stage(scratch / ".image-builder", spec)
-            cmd = _proot_command(spec, argv, scratch)
-        else:
-            staging = Path(tmp) / "staging"
-            _stage(staging, spec)
-            cmd = _namespace_command(spec, backend, argv, staging)
-        env = clean_env(spec, backend)
-        t0 = time.monotonic()
-        if interactive:
-            proc = subprocess.Popen(cmd, env=env)
-            return Result(proc.wait(), False, time.monotonic() - t0, ())
-        return _supervise(cmd, env, timeout, log, echo, tail_lines, t0)
+        try:
+            if backend is Backend.PROOT:  # proot's /tmp is a host directory holding the staged files
+                scratch = Path(tmp) / "tmp"
+                scratch.mkdir(mode=0o1777)
+                _stage(scratch / ".image-builder", spec, files or {})
+                cmd = _proot_command(spec, argv, scratch)
+            else:
+                staging = Path(tmp) / "staging"
+                _stage(staging, spec, files or {})
+                cmd = _namespace_command(spec, backend, argv, staging, created)
+            env = clean_env(spec, backend)
+            t0 = time.monotonic()
+            if interactive:
+                return Result(subprocess.Popen(cmd, env=env).wait(), False, time.monotonic() - t0, ())
+            return _supervise(cmd, env, timeout, log, echo, tail_lines, t0)
+        finally:
+            _remove_mount_points(created)
 
 
 def _supervise(cmd, env, timeout, log, echo, tail_lines, t0) -> Result:

@@ -342,8 +342,11 @@ def pack(
         proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, env=env)
         stderr = proc.stderr.decode("utf-8", "replace") + proc.stdout.decode("utf-8", "replace")
         if proc.returncode != 0:
+            free = shutil.disk_usage(target.parent).free
+            hint = (f"; only {free // 1_000_000} MB left on {target.parent} (No space left): free some and rerun"
+                    if "Failed to write" in stderr else "")
             raise SquashfsError(
-                f"mksquashfs failed packing {src}: {_error_line(stderr, proc.returncode)}", stderr=stderr
+                f"mksquashfs failed packing {src}: {_error_line(stderr, proc.returncode)}{hint}", stderr=stderr
             )
         try:
             sb = read_superblock(target, offset)

@@ -5,17 +5,22 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import bcrypt
 import pytest
 
+from image_builder.bases import debian_rootfs
 from image_builder.cache import BlobCache
+from image_builder.localregistry import push_image, rootfs_layer
+from image_builder.store import remove_tree
 from image_builder.localregistry import CertPair, LocalRegistry, start_registry
 from image_builder.localregistry import self_signed_cert as self_signed
 from image_builder.registry import RegistryOptions
 from tests.support import oci
+from tests.support.bases import tiny_rootfs
 from tests.support.oci import Entry
 from tests.support.servers import FaultProxy, TokenIssuer
 
@@ -125,6 +130,45 @@ def images(registries) -> TestImages:
     big_layers = [oci.layer([Entry(f"data/{i}.bin", os.urandom(3 << 20))], "gzip") for i in range(3)]
     big = p.image("test/big", "1", oci.config_blob(), big_layers)
     return TestImages(multi, multi_layers, idx, per_arch, dlist, big, big_layers)
+
+
+TEST_CACHE = Path.home() / ".cache" / "image_builder-tests"  # outside the checkout: reruns reuse it
+
+
+@pytest.fixture(scope="session")
+def public_dir():
+    """A directory every user can read: pytest's own tmp is private to root."""
+    path = Path(tempfile.mkdtemp(prefix="ib-tests-", dir="/var/tmp"))
+    path.chmod(0o755)
+    yield path
+    remove_tree(path)
+
+
+@pytest.fixture(scope="session")
+def public_ca(registries, public_dir) -> Path:
+    dest = public_dir / "ca.pem"
+    shutil.copy(registries.tls.cert, dest)
+    dest.chmod(0o644)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def tiny_base(registries, tmp_path_factory) -> str:
+    """A couple-of-MB image with dash and coreutils, as test/tiny:1."""
+    work = tmp_path_factory.mktemp("tiny")
+    root = tiny_rootfs(work / "rootfs")
+    push_image(registries.open.url, "test/tiny", "1", [rootfs_layer(root, work / "tiny.tar.gz")],
+               ca=registries.tls.cert)
+    return f"{registries.open.host}/test/tiny:1"
+
+
+@pytest.fixture(scope="session")
+def debian_base(registries) -> str:
+    """Debian bookworm minbase with python3, venv and git (debootstrap once, cached), as test/debian:bookworm."""
+    root = debian_rootfs("bookworm", TEST_CACHE)
+    layer = rootfs_layer(root, TEST_CACHE / f"{root.name}.tar.gz")
+    push_image(registries.open.url, "test/debian", "bookworm", [layer], ca=registries.tls.cert)
+    return f"{registries.open.host}/test/debian:bookworm"
 
 
 @pytest.fixture

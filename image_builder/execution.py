@@ -1,0 +1,44 @@
+"""What running one command in an instance takes and gives back.
+
+The runtime implements `Executor` (a mounted instance); graders only use this
+interface, so a grader never needs to know how an instance is mounted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    argv: tuple[str, ...]
+    stdin: bytes | None = None  # given as a regular file on fd 0, as judges do (os.fstat(0).st_size works)
+    files: dict[str, bytes] = field(default_factory=dict)  # written into the throwaway layer before the run
+    env: dict[str, str] = field(default_factory=dict)  # on top of the image's environment
+    workdir: str | None = None  # default: the instance's workdir from the index
+    timeout: float | None = None  # seconds of wall time; the whole process tree is killed
+    memory_mb: int | None = None
+    max_output: int = 1 << 20  # bytes kept of stdout and of stderr each; the rest is dropped
+    network: bool = False
+
+
+@dataclass(frozen=True)
+class RunResult:
+    exit_code: int | None  # None when killed by a signal
+    signal: int | None
+    timed_out: bool
+    out_of_memory: bool
+    wall_time: float
+    peak_memory_kb: int | None
+    stdout: bytes
+    stderr: bytes
+    truncated: bool = False  # output went over max_output
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+
+class Executor(Protocol):
+    def run(self, request: RunRequest) -> RunResult: ...

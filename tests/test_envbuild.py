@@ -1,0 +1,336 @@
+"""Environment builds: catalogs, scripts in the sandbox, .sif packing, failures."""
+
+from __future__ import annotations
+
+import io
+import os
+import pty
+import select
+import subprocess
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from image_builder.cache import BlobCache
+from image_builder.catalog import CatalogError, load
+from image_builder.envbuild import BuildFailed, BuildOptions, LABEL_PREFIX, build_environment
+from image_builder.registry import RegistryOptions
+from image_builder.sandbox import Backend
+from image_builder.sif import read_sif
+from tests.conftest import run_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_catalog(tmp: Path, environments: list[dict], scripts: dict[str, str], instances=()) -> Path:
+    (tmp / "scripts").mkdir(exist_ok=True)
+    for name, text in scripts.items():
+        (tmp / "scripts" / name).write_text(text)
+    path = tmp / "catalog.yaml"
+    path.write_text(yaml.safe_dump({"scripts_dir": "scripts", "environments": environments,
+                                    "instances": list(instances)}, sort_keys=False))
+    return path
+
+
+def options(tmp: Path, ca: Path, **kw) -> BuildOptions:
+    return BuildOptions(store=tmp / "store", cache=BlobCache(tmp / "cache"),
+                        registry=RegistryOptions(ca_cert=ca), **kw)
+
+
+def sif_files(sif: Path, tmp: Path, *paths: str) -> dict[str, str | None]:
+    """Read files from the SIF's partition, mounted with squashfuse_ll at its offset."""
+    image = read_sif(sif)
+    part = image.primary_partition()
+    mnt = tmp / f"mnt-{time.monotonic_ns()}"
+    mnt.mkdir()
+    subprocess.run(["squashfuse_ll", "-o", f"offset={part.offset}", str(sif), str(mnt)], check=True)
+    try:
+        return {p: (mnt / p).read_text() if (mnt / p).is_file() else None for p in paths}
+    finally:
+        subprocess.run(["fusermount3", "-u", str(mnt)], check=True)
+
+
+SCRIPT = """#!/bin/sh
+set -eu
+echo "greeting=$GREETING" > /etc/built-by
+id -u > /etc/built-uid
+echo "ca=$SSL_CERT_FILE pip_find_links=${PIP_FIND_LINKS:-unset}" > /etc/built-env
+test -s "$SSL_CERT_FILE"
+echo building done
+"""
+
+
+@pytest.fixture
+def tiny_catalog(tmp_path, tiny_base):
+    return write_catalog(tmp_path, [{"name": "tiny", "base": tiny_base, "scripts": ["make.sh"],
+                                     "env": {"GREETING": "hello world"}}], {"make.sh": SCRIPT})
+
+
+def test_build_packs_a_sif_siftool_reads(tmp_path, tiny_catalog, registries, monkeypatch):
+    monkeypatch.setenv("PIP_FIND_LINKS", "/host/only")  # the host's environment must not leak in
+    spec = load(tiny_catalog).environments["tiny"]
+    result = build_environment(spec, options(tmp_path, registries.tls.cert))
+    assert result.built and result.sif == tmp_path / "store/envs/tiny.sif"
+    listing = subprocess.run(["siftool", "list", str(result.sif)], capture_output=True, text=True, check=True).stdout
+    assert "Squashfs/*System/amd64" in listing and "Def.FILE" in listing
+    labels = read_sif(result.sif).labels()
+    assert labels[LABEL_PREFIX + "build-key"] == result.build_key
+    assert labels[LABEL_PREFIX + "base-digest"] == result.base_digest
+    files = sif_files(result.sif, tmp_path, "etc/built-by", "etc/built-uid", "etc/built-env",
+                      ".singularity.d/env/10-docker2singularity.sh", "tmp/.image-builder/ca.pem")
+    assert files["etc/built-by"] == "greeting=hello world\n"
+    assert files["etc/built-uid"] == "0\n"
+    assert files["etc/built-env"] == "ca=/tmp/.image-builder/ca.pem pip_find_links=unset\n"
+    assert 'export GREETING="${GREETING:-"hello world"}"' in files[".singularity.d/env/10-docker2singularity.sh"]
+    assert files["tmp/.image-builder/ca.pem"] is None, "build-time files must not end up in the image"
+    log = (tmp_path / "store/logs/envs/tiny/01-make.sh.log").read_text()
+    assert "building done" in log
+    assert not (tmp_path / "store/work").exists() or not list((tmp_path / "store/work").iterdir())
+
+
+def test_unchanged_environment_is_not_rebuilt(tmp_path, tiny_catalog, registries):
+    spec = load(tiny_catalog).environments["tiny"]
+    opts = options(tmp_path, registries.tls.cert)
+    first = build_environment(spec, opts)
+    stamp = first.sif.stat().st_mtime_ns
+    again = build_environment(spec, opts)
+    assert not again.built and again.build_key == first.build_key
+    assert first.sif.stat().st_mtime_ns == stamp
+    changed = load(tiny_catalog).environments["tiny"]
+    changed = type(changed)(**{**changed.__dict__, "env": {"GREETING": "bonjour"}})
+    third = build_environment(changed, opts)
+    assert third.built and third.build_key != first.build_key
+    assert sif_files(third.sif, tmp_path, "etc/built-by")["etc/built-by"] == "greeting=bonjour\n"
+
+
+def test_reproducible_with_source_date_epoch(tmp_path, tiny_catalog, registries, monkeypatch):
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    spec = load(tiny_catalog).environments["tiny"]
+    script = tmp_path / "scripts/make.sh"
+    script.write_text("#!/bin/sh\necho fixed > /etc/built-by\n")
+    spec = load(tiny_catalog).environments["tiny"]
+    a = build_environment(spec, options(tmp_path / "a", registries.tls.cert)).sif.read_bytes()
+    time.sleep(1.1)  # a build that stamped the clock would now differ
+    b = build_environment(spec, options(tmp_path / "b", registries.tls.cert)).sif.read_bytes()
+    assert a == b
+
+
+def test_failed_script_reports_and_keeps_the_old_image(tmp_path, tiny_catalog, registries):
+    opts = options(tmp_path, registries.tls.cert)
+    good = build_environment(load(tiny_catalog).environments["tiny"], opts)
+    before = good.sif.read_bytes()
+    (tmp_path / "scripts/make.sh").write_text("#!/bin/sh\necho line-before-failure\nexit 3\n")
+    with pytest.raises(BuildFailed) as err:
+        build_environment(load(tiny_catalog).environments["tiny"], opts)
+    msg = str(err.value)
+    assert "script make.sh exited 3" in msg and "image-builder debug tiny" in msg and "\n" not in msg
+    assert "line-before-failure" in err.value.tail
+    assert good.sif.read_bytes() == before, "a failed build must not touch the published image"
+    assert (tmp_path / "store/failed/envs/tiny/rootfs/etc/passwd").exists()
+
+
+def test_cli_failure_shows_the_last_20_log_lines(tmp_path, tiny_catalog, registries):
+    (tmp_path / "scripts/make.sh").write_text("#!/bin/sh\ni=0\nwhile [ $i -lt 30 ]; do echo filler-$i; i=$((i+1)); done\n"
+                                              "echo tail-line; exit 7\n")
+    r = run_cli("build", str(tiny_catalog), "--store", str(tmp_path / "store"), "--cache-dir", str(tmp_path / "c"),
+                "--ca-cert", str(registries.tls.cert))
+    assert r.returncode == 1
+    shown = [line[4:] for line in r.stderr.splitlines() if line.startswith("  | ")]
+    assert shown == [f"filler-{i}" for i in range(11, 30)] + ["tail-line"]
+    assert r.stderr.strip().splitlines()[-1].startswith("Error: environment tiny: script make.sh exited 7")
+
+
+def test_script_timeout_kills_everything(tmp_path, tiny_base, registries):
+    cat = write_catalog(tmp_path, [{"name": "slow", "base": tiny_base, "scripts": ["slow.sh"], "timeout": 1}],
+                        {"slow.sh": "#!/bin/sh\n(sleep 97 &)\nsleep 98\n"})
+    with pytest.raises(BuildFailed, match="script slow.sh timed out after 1 s"):
+        build_environment(load(cat).environments["slow"], options(tmp_path, registries.tls.cert))
+    time.sleep(0.2)
+    left = subprocess.run(["pgrep", "-f", "sleep 9[78]"], capture_output=True, text=True).stdout
+    assert left == "", "the timeout must kill double-forked children too"
+
+
+def test_debug_opens_a_shell_in_the_failed_tree(tmp_path, tiny_base, registries):
+    cat = write_catalog(tmp_path, [{"name": "broken", "base": tiny_base, "scripts": ["b.sh"],
+                                    "env": {"MARK": "from-the-build"}}],
+                        {"b.sh": "#!/bin/sh\necho partial > /etc/partial\nexit 1\n"})
+    with pytest.raises(BuildFailed):
+        build_environment(load(cat).environments["broken"], options(tmp_path, registries.tls.cert))
+    out = drive_pty([str(ROOT / ".venv/bin/image-builder"), "debug", "broken", "--store", str(tmp_path / "store")],
+                    b"cat /etc/partial; echo mark=$MARK; exit\n")
+    assert "partial" in out and "mark=from-the-build" in out
+
+
+def drive_pty(argv: list[str], keys: bytes, timeout: float = 20) -> str:
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.execv(argv[0], argv)
+    os.write(fd, keys)
+    out = b""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.5)
+        if ready:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            out += chunk
+    os.waitpid(pid, 0)
+    return out.decode(errors="replace")
+
+
+def test_missing_base_is_one_clear_line(tmp_path, registries):
+    cat = write_catalog(tmp_path, [{"name": "x", "base": f"{registries.open.host}/no/such:1", "scripts": ["s.sh"]}],
+                        {"s.sh": "true\n"})
+    r = run_cli("build", str(cat), "--store", str(tmp_path / "store"), "--cache-dir", str(tmp_path / "c"),
+                "--ca-cert", str(registries.tls.cert))
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no/such:1: no such image" in lines[0]
+
+
+def test_full_disk_while_packing_keeps_earlier_images(tmp_path, tiny_base, registries):
+    store = tmp_path / "store"
+    store.mkdir()
+    # Room for the small image and the work tree of the big one, not for packing the big one.
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=14m", "tmpfs", str(store)], check=True)
+    try:
+        cat = write_catalog(tmp_path, [
+            {"name": "small", "base": tiny_base, "scripts": ["small.sh"]},
+            {"name": "huge", "base": tiny_base, "scripts": ["huge.sh"]}],
+            {"small.sh": "true\n", "huge.sh": "head -c 5000000 /dev/urandom > /big\n"})
+        opts = BuildOptions(store=store, cache=BlobCache(tmp_path / "cache"),
+                            registry=RegistryOptions(ca_cert=registries.tls.cert))
+        small = build_environment(load(cat).environments["small"], opts)
+        before = small.sif.read_bytes()
+        with pytest.raises(BuildFailed, match="environment huge: .*No space left"):
+            build_environment(load(cat).environments["huge"], opts)
+        assert small.sif.read_bytes() == before
+        assert sorted(p.name for p in (store / "envs").iterdir()) == ["small.sif"], "no half-written image left"
+    finally:
+        subprocess.run(["umount", "-l", str(store)], check=True)
+
+
+CATALOG_ERRORS = [
+    ("environments:\n- name: a\n  base: x:1\n  scripts: [s.sh]\n  colour: red\n", 5,
+     "environments[0]: unknown key 'colour'"),
+    ("environments:\n- name: a\n  base: x:1\n  scripts: [missing.sh]\n", 4, "no script 'missing.sh'"),
+    ("environments:\n- name: a\n  base: x:1\n  scripts: [s.sh]\n- name: a\n  base: x:1\n  scripts: [s.sh]\n",
+     5, "duplicate environment name 'a' (first at line 3)"),
+    ("environments:\n- name: a\n  base: x:1\n  scripts: [s.sh]\ninstances:\n- id: i1\n  environment: b\n", 7,
+     "unknown environment 'b'"),
+    ("environments:\n- name: a\n  base: Bad Ref\n  scripts: [s.sh]\n", 3, "environments[0].base"),
+    ("environments:\n- name: a\n  base: x:1\n  scripts: [s.sh\n", 5, "not valid YAML"),
+]
+
+
+@pytest.mark.parametrize("text,line,needle", CATALOG_ERRORS)
+def test_check_names_file_and_line(tmp_path, text, line, needle):
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts/s.sh").write_text("true\n")
+    path = tmp_path / "c.yaml"
+    path.write_text("scripts_dir: scripts\n" + text)
+    with pytest.raises(CatalogError) as err:
+        load(path)
+    assert str(err.value).startswith(f"{path}:{line + 1}: ") and needle in str(err.value), str(err.value)
+    r = run_cli("check", str(path))
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr
+
+
+def test_shipped_catalogs_validate():
+    for name in ("mbpp.yaml", "swebench-marshmallow.yaml"):
+        r = run_cli("check", str(ROOT / "index" / name))
+        assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+    cat = load(ROOT / "index/swebench-marshmallow.yaml")
+    assert set(cat.environments) == {"marshmallow-3.0", "marshmallow-2.20"}
+    assert "bullseye" in cat.environments["marshmallow-2.20"].base
+
+
+def wheel(dest: Path, name: str = "hello", value: str = "42") -> Path:
+    """A minimal pure-Python wheel, written by hand (no build backend needed)."""
+    path = dest / f"{name}-1.0-py3-none-any.whl"
+    files = {f"{name}/__init__.py": f"VALUE = {value}\n",
+             f"{name}-1.0.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n",
+             f"{name}-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = "".join(f"{n},,\n" for n in files) + f"{name}-1.0.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as z:
+        for n, text in files.items():
+            z.writestr(n, text)
+        z.writestr(f"{name}-1.0.dist-info/RECORD", record)
+    return path
+
+
+def venv_catalog(tmp: Path, base: str, backend_name: str) -> Path:
+    context = tmp / "context"
+    (context / "wheels").mkdir(parents=True)
+    wheel(context / "wheels")
+    scripts = {"python-venv.sh": (ROOT / "env_scripts/python-venv.sh").read_text()}
+    return write_catalog(tmp, [{"name": f"venv-{backend_name}", "base": base, "scripts": ["python-venv.sh"],
+                                "context": "context", "env": {"VENV": "/opt/venv"}}], scripts)
+
+
+def test_venv_with_a_wheel_from_the_build_context(tmp_path, debian_base, registries):
+    cat = venv_catalog(tmp_path, debian_base, "chroot")
+    result = build_environment(load(cat).environments["venv-chroot"], options(tmp_path, registries.tls.cert))
+    image = read_sif(result.sif)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "squashfs", "-o", f"loop,ro,offset={image.primary_partition().offset}",
+                    str(result.sif), str(mnt)], check=True)
+    try:
+        out = subprocess.run(["chroot", str(mnt), "/opt/venv/bin/python", "-c", "import hello; print(hello.VALUE)"],
+                             capture_output=True, text=True)
+        assert out.stdout == "42\n", out.stderr
+        assert not (mnt / "build").exists(), "the /build mount point must not stay in the image"
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def unprivileged_build(tmp_root: Path, catalog: Path, ca: Path, backend: str) -> subprocess.CompletedProcess:
+    tmp_root.chmod(0o777)
+    return run_cli("build", str(catalog), "--store", str(tmp_root / "store"), "--cache-dir", str(tmp_root / "cache"),
+                   "--ca-cert", str(ca), "--backend", backend, user=65534,
+                   env={"HOME": str(tmp_root), "XDG_CACHE_HOME": str(tmp_root / "xdg"),
+                        "DOCKER_CONFIG": str(tmp_root / "no-docker-config")})
+
+
+def test_rootless_userns_build_with_apt_and_venv(public_dir, debian_base, public_ca):
+    """As an unprivileged user: apt-get (which needs APT_CONFIG in a one-uid namespace) and a venv."""
+    work = public_dir / "userns"
+    work.mkdir()
+    cat = venv_catalog(work, debian_base, "userns")
+    doc = yaml.safe_load(cat.read_text())
+    (work / "scripts/apt-packages.sh").write_text((ROOT / "env_scripts/apt-packages.sh").read_text())
+    doc["environments"][0]["scripts"] = ["apt-packages.sh", "python-venv.sh"]
+    doc["environments"][0]["env"]["APT_PACKAGES"] = "hello"
+    cat.write_text(yaml.safe_dump(doc, sort_keys=False))
+    for p in work.rglob("*"):
+        p.chmod(0o777 if p.is_dir() else 0o666)
+    r = unprivileged_build(work, cat, public_ca, "userns")
+    assert r.returncode == 0, r.stdout + r.stderr
+    sif = work / "store/envs/venv-userns.sif"
+    assert sif.stat().st_uid == 65534
+    files = sif_files(sif, work, "opt/venv/lib/python3.11/site-packages/hello/__init__.py")
+    assert files["opt/venv/lib/python3.11/site-packages/hello/__init__.py"] == "VALUE = 42\n"
+    listing = subprocess.run(["unsquashfs", "-o", str(read_sif(sif).primary_partition().offset), "-lln", str(sif),
+                              "usr/bin/hello"], capture_output=True, text=True).stdout
+    assert "usr/bin/hello" in listing, "apt-get must have installed hello"
+    assert " 0/0 " in listing, "a rootless image's files must belong to root inside"
+
+
+def test_rootless_proot_build(public_dir, tiny_base, public_ca):
+    work = public_dir / "proot"
+    work.mkdir()
+    cat = write_catalog(work, [{"name": "p", "base": tiny_base, "scripts": ["p.sh"]}],
+                        {"p.sh": "#!/bin/sh\nset -e\nid -u > /etc/uid-inside\n"})
+    for p in work.rglob("*"):
+        p.chmod(0o777 if p.is_dir() else 0o666)
+    r = unprivileged_build(work, cat, public_ca, "proot")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sif_files(work / "store/envs/p.sif", work, "etc/uid-inside")["etc/uid-inside"] == "0\n"
