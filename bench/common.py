@@ -36,9 +36,9 @@ def need(tool: str) -> str:
 
 
 def python_rootfs(suite: str = "bookworm") -> Path:
-    """Debian minbase + python3 (about 260 MB), made once with debootstrap and kept in the bench cache."""
+    """Debian minbase + python3, venv and git (about 280 MB), made once with debootstrap, kept in the bench cache."""
     need("debootstrap")
-    return debian_rootfs(suite, CACHE, include=("python3",))
+    return debian_rootfs(suite, CACHE)
 
 
 def timed(cmd: list[str] | str, *, env: dict | None = None, setup=None, repeat: int = 3, **kw) -> float:
