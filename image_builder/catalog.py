@@ -70,12 +70,13 @@ class InstanceSpec:
     environment: str
     script: Path | None
     env: dict[str, str]
-    files: dict[str, Path]  # path inside the instance -> source file
+    files: dict[str, Path | bytes]  # path inside the instance -> source file or content
     workdir: str
     test_command: str | None
     grader: dict[str, Any]
     timeout: float
     where: Where
+    context: Path | None = None  # read-only at /build while the instance builds
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,8 @@ def load(path: Path | str, *, scripts_dir: Path | None = None, bases: dict[str, 
         raise CatalogError(f"{path}:{mark.line + 1 if mark else 1}: not valid YAML: "
                            f"{getattr(e, 'problem', e)}") from e
     c = _Checker(path)
-    top = c.mapping(doc, "catalog", {"bases", "environments", "instances", "scripts_dir"}, {"environments"})
+    top = c.mapping(doc, "catalog", {"bases", "environments", "instances", "instance_sets", "scripts_dir"},
+                    {"environments"})
     if scripts_dir is None:
         scripts_dir = (path.parent / top.get("scripts_dir", "../env_scripts")).resolve()
     aliases = dict(top.get("bases") or {})
@@ -239,4 +241,47 @@ def load(path: Path | str, *, scripts_dir: Path | None = None, bases: dict[str, 
         instances[iid] = InstanceSpec(iid, env_name, script, c.env(node, where), resolved,
                                       str(node.get("workdir", "/")), test_command, dict(grader),
                                       c.timeout(node, where), Where(path, node.line))
+    for i, node in enumerate(top.get("instance_sets") or []):
+        for spec in _instance_set(c, path, scripts_dir, node, f"instance_sets[{i}]", environments):
+            if spec.id in instances:
+                raise c.fail(node, "from", f"instance_sets[{i}]: instance {spec.id!r} is already declared "
+                                           f"(line {instances[spec.id].where.line})")
+            instances[spec.id] = spec
     return Catalog(path, scripts_dir, environments, instances)
+
+
+def _instance_set(c: _Checker, path: Path, scripts_dir: Path, node: Any, where: str,
+                  environments: dict[str, EnvironmentSpec]) -> list[InstanceSpec]:
+    """One instance per task of a dataset file (see datasets.py)."""
+    from .datasets import drafts, fill
+    from .errors import ImageBuilderError as _Err
+    c.mapping(node, where, {"from", "environment", "script", "env", "context", "workdir", "test_command",
+                            "timeout"}, {"from", "environment"})
+    source = (path.parent / c.string(node, "from", where)).resolve()
+    try:
+        found, bad = drafts(source)
+    except _Err as e:
+        raise c.fail(node, "from", f"{where}.from: {e}") from e
+    if bad:
+        raise c.fail(node, "from", f"{where}.from: {len(bad)} tasks cannot be instances, first: {bad[0]}")
+    script = c.script(scripts_dir, node, "script", node["script"], where) if node.get("script") else None
+    context = None
+    if node.get("context") is not None:
+        context = (path.parent / c.string(node, "context", where)).resolve()
+        if not context.is_dir():
+            raise c.fail(node, "context", f"{where}.context: no directory {context}")
+    env_template, env_vars = c.string(node, "environment", where), c.env(node, where)
+    specs = []
+    for d in found:
+        try:
+            env_name = fill(env_template, d.fields)
+            env = {k: fill(v, d.fields) for k, v in env_vars.items()}
+            test_command = fill(node["test_command"], d.fields) if node.get("test_command") else None
+        except KeyError as e:
+            raise c.fail(node, "environment", f"{where}: {e.args[0]}") from None
+        if env_name not in environments:
+            raise c.fail(node, "environment", f"{where}: task {d.id} needs environment {env_name!r}, "
+                                              f"which the catalog does not declare")
+        specs.append(InstanceSpec(d.id, env_name, script, env, dict(d.files), str(node.get("workdir", "/")),
+                                  test_command, d.grader, c.timeout(node, where), Where(path, node.line), context))
+    return specs

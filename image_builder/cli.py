@@ -40,8 +40,6 @@ def registry_options(fn):
     for decorator in reversed([
         click.option("--cache-dir", type=click.Path(path_type=Path), envvar="IMAGE_BUILDER_CACHE",
                      help="Blob cache (default: $XDG_CACHE_HOME/image_builder)."),
-        click.option("-j", "--jobs", type=click.IntRange(1, 64), default=4, show_default=True,
-                     help="Parallel layer downloads."),
         click.option("--ca-cert", type=click.Path(exists=True, dir_okay=False, path_type=Path),
                      help="Extra CA certificate for private registries."),
         click.option("--plain-http", multiple=True, metavar="HOST", help="Reach HOST over plain HTTP."),
@@ -51,7 +49,7 @@ def registry_options(fn):
     return fn
 
 
-def _make_options(jobs, ca_cert, plain_http, insecure_tls):
+def _make_options(ca_cert, plain_http, insecure_tls, jobs=4):
     from .registry import RegistryOptions
     return RegistryOptions(ca_cert=ca_cert, plain_http=frozenset(plain_http),
                            insecure_tls=frozenset(insecure_tls), jobs=jobs)
@@ -69,16 +67,18 @@ def main() -> None:
 @click.option("--rootfs", type=click.Path(file_okay=False, path_type=Path),
               help="Also flatten the layers into this directory.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON record on stdout.")
+@click.option("-j", "--jobs", type=click.IntRange(1, 64), default=4, show_default=True,
+              help="Parallel layer downloads.")
 @registry_options
 @_one_line_errors
-def pull(ref, platform_, rootfs, as_json, cache_dir, jobs, ca_cert, plain_http, insecure_tls):
+def pull(ref, platform_, rootfs, as_json, jobs, cache_dir, ca_cert, plain_http, insecure_tls):
     """Pull REF (an image reference, or https://.../rootfs.tar.zst#sha256=HEX) into the cache."""
     from .cache import BlobCache
     from .manifest import Platform
     from .pull import pull as do_pull
 
     with _progress(as_json) as progress:
-        image = do_pull(ref, cache=BlobCache(cache_dir), options=_make_options(jobs, ca_cert, plain_http, insecure_tls),
+        image = do_pull(ref, cache=BlobCache(cache_dir), options=_make_options(ca_cert, plain_http, insecure_tls, jobs),
                         platform=Platform.parse(platform_) if platform_ else None, progress=progress)
     record = image.to_json()
     if rootfs:
@@ -125,54 +125,89 @@ def check(catalog, bases):
     click.echo(f"{catalog}: {len(cat.environments)} environments, {len(cat.instances)} instances, ok")
 
 
+def _parse_shard(value: str | None) -> tuple[int, int] | None:
+    if not value:
+        return None
+    k, sep, n = value.partition("/")
+    if not (sep and k.isdigit() and n.isdigit() and 0 <= int(k) < int(n)):
+        raise click.BadParameter(f"{value!r}: expected K/N with 0 <= K < N, e.g. 0/4", param_hint="--shard")
+    return int(k), int(n)
+
+
 @main.command()
 @catalog_argument
 @store_option
-@click.option("--only", multiple=True, metavar="NAME", help="Build only these environments.")
+@click.option("-j", "--jobs", type=click.IntRange(1, 256), default=2, show_default=True,
+              help="Items built at once.")
+@click.option("--only", multiple=True, metavar="ID", help="Build only these instances or environments.")
+@click.option("--shard", metavar="K/N", help="Build the K-th of N slices of the instances (K from 0), "
+              "writing an index fragment for `index merge`.")
+@click.option("--fail-fast", is_flag=True, help="Stop at the first failure.")
 @base_option
 @backend_option
 @click.option("--compression", type=click.Choice(["zstd", "gzip", "lz4", "xz"]), default="zstd", show_default=True,
               help="squashfs compression (gzip for the oldest Apptainers).")
-@click.option("--processors", type=click.IntRange(1), help="mksquashfs threads (default: all cores).")
+@click.option("--processors", type=click.IntRange(1), help="mksquashfs threads per image (default: all cores).")
 @click.option("--force", is_flag=True, help="Rebuild even when nothing changed.")
 @click.option("-v", "--verbose", is_flag=True, help="Show script output live.")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON on stdout.")
 @registry_options
 @_one_line_errors
-def build(catalog, store, only, bases, backend, compression, processors, force, verbose,
-          cache_dir, jobs, ca_cert, plain_http, insecure_tls):
-    """Build the environments of CATALOG into STORE (one .sif each)."""
+def build(catalog, store, jobs, only, shard, fail_fast, bases, backend, compression, processors, force, verbose,
+          as_json, cache_dir, ca_cert, plain_http, insecure_tls):
+    """Build CATALOG into STORE: one .sif per environment, one .sqfs per instance, and index.json."""
     from .cache import BlobCache
     from .catalog import load
-    from .envbuild import BuildFailed, BuildOptions, build_environment
+    from .envbuild import BuildOptions
+    from .progress import BuildLog, BuildProgress
     from .sandbox import Backend, detect_backend
     from .squashfs import SquashOptions
+    from .storebuild import StoreBuildOptions, build_store, select, to_json
 
     cat = load(catalog, bases=_parse_bases(bases))
     chosen = Backend(backend) if backend else detect_backend()
     if chosen is Backend.PROOT:
         click.echo("warning: building under proot (ptrace): syscall-heavy steps like pip or compileall "
                    "run 2-45x slower than in a user namespace", err=True)
-    unknown = sorted(set(only) - set(cat.environments))
-    if unknown:
-        raise click.BadParameter(f"no environment {unknown[0]!r} in {catalog}", param_hint="--only")
-    opts = BuildOptions(store=store, cache=BlobCache(cache_dir),
-                        registry=_make_options(jobs, ca_cert, plain_http, insecure_tls),
-                        backend=chosen,
-                        squash=SquashOptions(compression=compression, level=3 if compression == "zstd" else None,
-                                             processors=processors),
-                        verbose=verbose, force=force)
-    for name, spec in cat.environments.items():
-        if only and name not in only:
-            continue
-        try:
-            with _progress(False) as progress:
-                result = build_environment(spec, opts, progress)
-        except BuildFailed as e:
-            for line in e.tail:
-                click.echo(f"  | {line}", err=True)
-            raise
-        state = f"built in {result.seconds:.1f} s" if result.built else "up to date"
-        click.echo(f"{name}: {state}  {result.sif}")
+    build_opts = BuildOptions(store=store, cache=BlobCache(cache_dir),
+                              registry=_make_options(ca_cert, plain_http, insecure_tls), backend=chosen,
+                              squash=SquashOptions(compression=compression,
+                                                   level=3 if compression == "zstd" else None, processors=processors),
+                              verbose=verbose, force=force)
+    opts = StoreBuildOptions(build_opts, jobs=jobs, only=frozenset(only), shard=_parse_shard(shard),
+                             fail_fast=fail_fast)
+    envs, instances = select(cat, opts.only, opts.shard)
+    reporter = BuildProgress(len(envs) + len(instances)) if sys.stderr.isatty() and not verbose else BuildLog()
+    with reporter:
+        summary = build_store(cat, opts, reporter)
+    if as_json:
+        click.echo(json.dumps(to_json(summary), indent=2))
+    else:
+        _print_summary(summary)
+    for failure in summary.failed:
+        for line in failure.tail:
+            click.echo(f"  | {line}", err=True)
+        click.echo(f"failed: {failure.message}", err=True)
+    if summary.failed:
+        sys.exit(1)
+
+
+def _print_summary(summary) -> None:
+    rows = []
+    for kind in ("environment", "instance"):
+        counts = {st: summary.count(kind, st) for st in ("built", "up to date", "failed", "skipped")}
+        size = sum(r.size for r in summary.results if r.kind == kind)
+        rows.append((kind + "s", *(str(c) for c in counts.values()), _human(size)))
+    header = ("", "built", "up to date", "failed", "skipped", "size")
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    for r in [header, *rows]:
+        click.echo("  ".join(str(c).rjust(w) for c, w in zip(r, widths)))
+    click.echo(f"{summary.seconds:.1f} s; index: {summary.index}")
+
+
+def _human(n: float) -> str:
+    from .progress import human_bytes
+    return human_bytes(n)
 
 
 @main.command()
@@ -191,11 +226,35 @@ def debug(environment, store, backend):
 
 
 @main.command()
-@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("target")
+@click.option("--store", type=click.Path(file_okay=False, path_type=Path), envvar="IMAGE_BUILDER_STORE",
+              default=Path("store"), show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 @_one_line_errors
-def inspect(file, as_json):
-    """List the objects of a .sif file."""
+def inspect(target, store, as_json):
+    """Show TARGET: a .sif file's objects, or an instance of the store and its layers."""
+    if target.endswith(".sif") and Path(target).is_file():
+        return _inspect_sif(Path(target), as_json)
+    from dataclasses import asdict
+    from .store import Store
+    st = Store.open(store)
+    resolved = st.resolve(target)
+    record = {**asdict(resolved), "layers": [str(p) for p in resolved.layers]}
+    record["env_sif"] = str(resolved.env_sif)
+    record["overlays"] = [str(p) for p in resolved.overlays]
+    if as_json:
+        click.echo(json.dumps(record, indent=2))
+        return
+    click.echo(f"instance {resolved.id} (environment {resolved.environment}), workdir {resolved.workdir}")
+    for i, layer in enumerate(resolved.layers):
+        click.echo(f"  layer {i}: {layer}  ({_human(layer.stat().st_size)})")
+    if resolved.test_command:
+        click.echo(f"  test command: {resolved.test_command}")
+    click.echo(f"  apptainer: apptainer exec " + " ".join(f"--overlay {p}:ro" for p in resolved.overlays)
+               + f" {resolved.env_sif} CMD")
+
+
+def _inspect_sif(file: Path, as_json: bool) -> None:
     from .sif import read_sif
     image = read_sif(file)
     if as_json:
@@ -209,6 +268,74 @@ def inspect(file, as_json):
         click.echo(f"  {d.id:>3}  0x{d.datatype:04x}  {d.name or '-':<28} offset={d.offset:<10} size={d.size}{part}")
     for k, v in sorted(image.labels().items()):
         click.echo(f"  label {k} = {v}")
+
+
+@main.command(name="ls")
+@store_option
+@click.option("--json", "as_json", is_flag=True)
+@_one_line_errors
+def ls_(store, as_json):
+    """List the store's environments: instance counts and sizes."""
+    from .store import Store
+    index = Store.open(store).index
+    rows = []
+    for name, env in sorted(index.environments.items()):
+        insts = [i for i in index.instances.values() if i.environment == name]
+        rows.append({"environment": name, "instances": len(insts), "sif_bytes": env.size,
+                     "instance_bytes": sum(i.size for i in insts), "base": env.base})
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    click.echo(f"{'environment':<28} {'instances':>9} {'.sif':>10} {'instances':>10}  base")
+    for r in rows:
+        click.echo(f"{r['environment']:<28} {r['instances']:>9} {_human(r['sif_bytes']):>10} "
+                   f"{_human(r['instance_bytes']):>10}  {r['base']}")
+    total = sum(r["sif_bytes"] + r["instance_bytes"] for r in rows)
+    click.echo(f"{len(rows)} environments, {len(index.instances)} instances, {_human(total)}")
+
+
+@main.command()
+@store_option
+@_one_line_errors
+def verify(store):
+    """Re-hash every file against the index; report missing, corrupt and orphaned files."""
+    from .store import Store, verify as do_verify
+    report = do_verify(Store.open(store))
+    for kind in ("missing", "corrupt", "orphaned"):
+        for rel in getattr(report, kind):
+            click.echo(f"{kind}: {rel}")
+    click.echo(f"{report.checked} files checked: {len(report.missing)} missing, {len(report.corrupt)} corrupt, "
+               f"{len(report.orphaned)} orphaned")
+    if not report.ok:
+        sys.exit(1)
+
+
+@main.command()
+@store_option
+@click.option("--keep-failed", is_flag=True, help="Keep failed builds (for `debug`).")
+@_one_line_errors
+def gc(store, keep_failed):
+    """Remove files the index no longer references, temporary files and failed builds."""
+    from .store import Store, gc as do_gc
+    removed = do_gc(Store.open(store), keep_failed=keep_failed)
+    for rel in removed:
+        click.echo(f"removed {rel}")
+    click.echo(f"{len(removed)} removed")
+
+
+@main.group(name="index")
+def index_group():
+    """Work on a store's index."""
+
+
+@index_group.command(name="merge")
+@store_option
+@_one_line_errors
+def index_merge(store):
+    """Combine the index fragments of a sharded build (--shard K/N) into index.json."""
+    from .storebuild import merge_fragments
+    path, count = merge_fragments(store)
+    click.echo(f"merged {count} fragments into {path}")
 
 
 if __name__ == "__main__":

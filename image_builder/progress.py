@@ -103,3 +103,59 @@ class RichProgress(NullProgress):
             self._tasks[key] = self._rp.add_task(key[7:19], total=size or 1)
         self._rp.update(self._tasks[key], description=f"{self._rp.tasks[self._tasks[key]].description} {note}",
                         completed=size or 1, total=size or 1)
+
+
+class BuildLog:
+    """Store builds off a terminal: one line per finished item."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+        self._lock = threading.Lock()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def start(self, kind, name):
+        pass
+
+    def done(self, result):
+        note = f": {result.message}" if result.message else ""
+        with self._lock:
+            print(f"{result.kind} {result.name}: {result.status} ({result.seconds:.1f}s){note}",
+                  file=self.stream, flush=True)
+
+
+class BuildProgress:
+    """Store builds on a terminal: an overall bar, one line per running job, failures as they happen."""
+
+    def __init__(self, total: int):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress as RP, SpinnerColumn, TextColumn, \
+            TimeElapsedColumn
+        self._rp = RP(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn())
+        self._overall = self._rp.add_task("store", total=total)
+        self._running: dict[tuple[str, str], int] = {}
+        self._lock = threading.Lock()
+
+    def __enter__(self):
+        self._rp.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._rp.stop()
+
+    def start(self, kind, name):
+        with self._lock:
+            self._running[(kind, name)] = self._rp.add_task(f"  {kind} {name}", total=None)
+
+    def done(self, result):
+        with self._lock:
+            task = self._running.pop((result.kind, result.name), None)
+            if task is not None:
+                self._rp.remove_task(task)
+            self._rp.advance(self._overall)
+            if result.status == "failed":
+                self._rp.console.print(f"[red]failed[/red] {result.kind} {result.name}: {result.message}")

@@ -88,12 +88,31 @@ class Bind:
 
 
 @dataclass(frozen=True)
+class SquashImage:
+    path: Path  # a .sqfs, or a .sif whose partition starts at offset
+    offset: int = 0
+
+
+@dataclass(frozen=True)
+class Overlay:
+    """Read-only squashfs layers (bottom first) under a writable upper directory.
+
+    Writes land in `upper` as overlayfs records them (whiteouts as 0:0
+    character devices), which is exactly what an instance adds.
+    """
+    lowers: tuple[SquashImage, ...]
+    upper: Path
+    work: Path  # overlayfs scratch, on the same filesystem as upper
+
+
+@dataclass(frozen=True)
 class SandboxSpec:
     root: Path
     env: dict[str, str] = field(default_factory=dict)  # on top of the clean base environment
     workdir: str = "/"
     binds: tuple[Bind, ...] = ()
     host_network_files: bool = True  # resolv.conf, CA bundle and proxy variables from the host
+    overlay: Overlay | None = None  # root is then an empty mount point for the stacked layers
 
 
 @dataclass(frozen=True)
@@ -120,34 +139,30 @@ def clean_env(spec: SandboxSpec, backend: Backend) -> dict[str, str]:
     return env
 
 
-def _check_inside(root: Path, rel: str) -> Path:
-    """A mount target inside root: no component may be a symlink, which could point anywhere."""
-    path = root
-    for part in Path(rel.lstrip("/")).parts:
-        if part == "..":
-            raise SandboxError(f"mount target {rel!r} leaves the root")
-        path = path / part
-        if path.is_symlink():
-            raise SandboxError(f"{root}: {rel} is a symlink in the image; refusing to mount over it")
-    return path
+# Mount targets are checked inside the namespace, where an overlay root is
+# visible: a symlinked component could point anywhere, so it is refused; a
+# missing target is created and logged, so it can be removed after the run.
+_TARGET_FN = r"""target() {
+  p="$R"
+  for c in $(echo "$1" | tr / ' '); do
+    p="$p/$c"
+    if [ -L "$p" ]; then echo "image-builder: /$1 is a symlink in the image; not mounting over it" >&2; return 1; fi
+  done
+  if [ ! -e "$p" ]; then
+    if [ "$2" = dir ]; then mkdir -p "$p"; else mkdir -p "$(dirname "$p")" && : > "$p"; fi
+    echo "$1" >> "$S/created"
+  fi
+}"""
 
 
-def _ensure_target(root: Path, rel: str, is_dir: bool, created: list[Path]) -> Path:
-    """Create a missing mount point, remembering it so it can be removed after the run."""
-    path = _check_inside(root, rel)
-    if not path.exists():
-        missing = [p for p in [path, *path.parents] if p != root and root in p.parents and not p.exists()]
-        if is_dir:
-            path.mkdir(parents=True)
-        else:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.touch()
-        created.extend(missing)  # deepest first, the order to remove them in
-    return path
-
-
-def _remove_mount_points(created: list[Path]) -> None:
-    for p in created:
+def _remove_created(root: Path, staging: Path) -> None:
+    """Remove the mount points the prelude had to create, if nothing was put in them."""
+    try:
+        created = (staging / "created").read_text().split()
+    except OSError:
+        return
+    for rel in reversed(created):
+        p = root / rel
         try:
             if p.is_dir() and not p.is_symlink():
                 p.rmdir()
@@ -157,35 +172,53 @@ def _remove_mount_points(created: list[Path]) -> None:
             pass  # a script put something there: it belongs to the image now
 
 
-def _namespace_command(spec: SandboxSpec, backend: Backend, argv: list[str], staging: Path,
-                       created: list[Path]) -> list[str]:
+def _overlay_lines(spec: SandboxSpec, backend: Backend, mount: str) -> list[str]:
+    """Mount the lower images and stack them under an overlay at $R (inside the namespace)."""
+    ov = spec.overlay
+    lines, lowers = [], []
+    for i, image in enumerate(ov.lowers):
+        point, path = f'"$S/lower{i}"', shlex.quote(str(image.path))
+        lowers.append(f"$S/lower{i}")
+        lines.append(f"mkdir {point}")
+        if backend is Backend.CHROOT:
+            lines.append(f"{mount} -t squashfs -o loop,ro,offset={image.offset} {path} {point}")
+        else:  # the squashfuse daemon lives in the pid namespace and dies with it
+            lines.append(f"squashfuse_ll -o offset={image.offset} {path} {point}")
+    # overlayfs lists the top layer first; its option string cannot hold commas or colons in paths.
+    lines += [f"U={shlex.quote(str(ov.upper))}", f"W={shlex.quote(str(ov.work))}"]
+    options = f"lowerdir={':'.join(reversed(lowers))},upperdir=$U,workdir=$W"
+    options += ",userxattr" if backend is Backend.USERNS else ""  # unprivileged overlay: user.overlay.* xattrs
+    lines.append(f'{mount} -t overlay overlay -o "{options}" "$R"')
+    return lines
+
+
+def _namespace_command(spec: SandboxSpec, backend: Backend, argv: list[str], staging: Path) -> list[str]:
     """unshare + a small sh prelude doing the mounts, then chroot. Host tools by absolute path."""
-    root = spec.root
     tool = {t: shutil.which(t) or f"/usr/bin/{t}" for t in ("mount", "chroot", "unshare")}
     mount = tool["mount"]
-    lines = ["set -e", f"R={shlex.quote(str(root))}"]
-    for d in ("dev", "proc", "sys", "tmp"):
-        _ensure_target(root, d, True, created)
-    lines += [f'{mount} --rbind /dev "$R/dev"',
-              f'{mount} -t proc proc "$R/proc"',
-              f'{mount} --rbind /sys "$R/sys"',
-              f'{mount} -o remount,bind,ro "$R/sys" 2>/dev/null || true',
+    q = shlex.quote
+    lines = ["set -e", f"R={q(str(spec.root))}", f"S={q(str(staging))}", _TARGET_FN]
+    if spec.overlay:
+        lines += _overlay_lines(spec, backend, mount)
+    lines += ['if target dev dir; then ' + f'{mount} --rbind /dev "$R/dev"; fi',
+              'if target proc dir; then ' + f'{mount} -t proc proc "$R/proc"; fi',
+              'if target sys dir; then ' + f'{mount} --rbind /sys "$R/sys"; '
+              + f'{mount} -o remount,bind,ro "$R/sys" 2>/dev/null || true; fi',
+              'target tmp dir',
               f'{mount} -t tmpfs -o mode=1777 tmpfs "$R/tmp"',
-              f'mkdir "$R/tmp/.image-builder" && cp -a {shlex.quote(str(staging))}/. "$R/tmp/.image-builder/"']
+              'mkdir "$R/tmp/.image-builder" && cp -a "$S/files/." "$R/tmp/.image-builder/"']
     if spec.host_network_files and Path("/etc/resolv.conf").exists():
-        try:
-            _ensure_target(root, "etc/resolv.conf", False, created)
-            lines.append(f'{mount} --bind /etc/resolv.conf "$R/etc/resolv.conf"')
-        except SandboxError:
-            pass  # a symlinked resolv.conf in the image is left alone
+        lines.append(f'if target etc/resolv.conf file; then {mount} --bind /etc/resolv.conf "$R/etc/resolv.conf"; fi')
     for b in spec.binds:
-        _ensure_target(root, b.dest, b.src.is_dir(), created)
-        target = shlex.quote(str(root) + "/" + b.dest.lstrip("/"))
-        lines.append(f"{mount} --bind {shlex.quote(str(b.src))} {target}")
+        rel = b.dest.strip("/")
+        if ".." in Path(rel).parts:
+            raise SandboxError(f"bind target {b.dest!r} leaves the root")
+        lines.append(f"target {q(rel)} {'dir' if b.src.is_dir() else 'file'}")
+        lines.append(f'{mount} --bind {q(str(b.src))} "$R"/{q(rel)}')
         if b.readonly:
-            lines.append(f"{mount} -o remount,bind,ro {target}")
+            lines.append(f'{mount} -o remount,bind,ro "$R"/{q(rel)}')
     lines.append(f'cd "$R" && exec {tool["chroot"]} "$R" /bin/sh -c \'cd "$0" && exec "$@"\' '
-                 + " ".join(shlex.quote(a) for a in [spec.workdir, *argv]))
+                 + " ".join(q(a) for a in [spec.workdir, *argv]))
     userns = ["--user", "--map-root-user"] if backend is Backend.USERNS else []
     return [tool["unshare"], *userns, "--mount", "--pid", "--fork", "--kill-child", "--propagation", "private",
             "--", "/bin/sh", "-c", "\n".join(lines)]
@@ -201,12 +234,15 @@ def _proot_command(spec: SandboxSpec, argv: list[str], tmp: Path) -> list[str]:
     return [*cmd, *argv]
 
 
-def _stage(staging: Path, spec: SandboxSpec, files: dict[str, Path]) -> None:
+def _stage(staging: Path, spec: SandboxSpec, files: dict[str, Path | bytes]) -> None:
     """Files the sandbox sees under /tmp/.image-builder (a tmpfs, never packed)."""
     staging.mkdir(parents=True, exist_ok=True)
     for rel, src in files.items():
         (staging / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(src, staging / rel)
+        if isinstance(src, bytes):
+            (staging / rel).write_bytes(src)
+        else:
+            shutil.copyfile(src, staging / rel)
     ca = host_ca_bundle() if spec.host_network_files else None
     if ca:
         shutil.copyfile(ca, staging / "ca.pem")
@@ -215,34 +251,63 @@ def _stage(staging: Path, spec: SandboxSpec, files: dict[str, Path]) -> None:
 
 def run(spec: SandboxSpec, argv: list[str], *, backend: Backend | None = None, timeout: float | None = None,
         log: Path | None = None, echo: bool = False, interactive: bool = False, tail_lines: int = 20,
-        files: dict[str, Path] | None = None) -> Result:
+        files: dict[str, Path | bytes] | None = None) -> Result:
     """Run argv in the sandbox; output goes to `log` (and the terminal with echo).
 
     On timeout the whole process group is killed; the pid namespace takes any
     daemon or double-forked child with it.
     """
     backend = backend or detect_backend()
-    if not (spec.root / "bin" / "sh").exists() and not (spec.root / "bin").is_symlink():
+    if not spec.overlay and not (spec.root / "bin" / "sh").exists() and not (spec.root / "bin").is_symlink():
         raise SandboxError(f"{spec.root}: no /bin/sh in the root filesystem; is it a Linux image?")
-    created: list[Path] = []
     with tempfile.TemporaryDirectory(prefix="ib-sandbox-") as tmp:
+        staging = Path(tmp)
+        # What the sandbox sees under /tmp/.image-builder: host CA bundle, apt.conf, staged files.
+        _stage(staging / "files", spec, files or {})
+        fuse_mounts: list[Path] = []
         try:
-            if backend is Backend.PROOT:  # proot's /tmp is a host directory holding the staged files
-                scratch = Path(tmp) / "tmp"
+            if backend is Backend.PROOT:
+                if spec.overlay:
+                    fuse_mounts = _fuse_overlay(spec, staging)
+                scratch = staging / "tmp"
                 scratch.mkdir(mode=0o1777)
-                _stage(scratch / ".image-builder", spec, files or {})
+                shutil.copytree(staging / "files", scratch / ".image-builder")
                 cmd = _proot_command(spec, argv, scratch)
             else:
-                staging = Path(tmp) / "staging"
-                _stage(staging, spec, files or {})
-                cmd = _namespace_command(spec, backend, argv, staging, created)
+                cmd = _namespace_command(spec, backend, argv, staging)
             env = clean_env(spec, backend)
             t0 = time.monotonic()
             if interactive:
                 return Result(subprocess.Popen(cmd, env=env).wait(), False, time.monotonic() - t0, ())
             return _supervise(cmd, env, timeout, log, echo, tail_lines, t0)
         finally:
-            _remove_mount_points(created)
+            for point in reversed(fuse_mounts):
+                subprocess.run(["fusermount3", "-u", "-z", str(point)], capture_output=True)
+            _remove_created(spec.overlay.upper if spec.overlay else spec.root, staging)
+
+
+def _fuse_overlay(spec: SandboxSpec, staging: Path) -> list[Path]:
+    """proot cannot mount: stack the layers on the host with squashfuse_ll and fuse-overlayfs."""
+    mounted: list[Path] = []
+    try:
+        lowers = []
+        for i, image in enumerate(spec.overlay.lowers):
+            point = staging / f"lower{i}"
+            point.mkdir()
+            subprocess.run(["squashfuse_ll", "-o", f"offset={image.offset}", str(image.path), str(point)],
+                           check=True, capture_output=True)
+            mounted.append(point)
+            lowers.append(str(point))
+        subprocess.run(["fuse-overlayfs", "-o", f"lowerdir={':'.join(reversed(lowers))},"
+                        f"upperdir={spec.overlay.upper},workdir={spec.overlay.work}", str(spec.root)],
+                       check=True, capture_output=True)
+        mounted.append(spec.root)
+        return mounted
+    except subprocess.CalledProcessError as e:
+        for point in reversed(mounted):
+            subprocess.run(["fusermount3", "-u", "-z", str(point)], capture_output=True)
+        raise SandboxError(f"cannot mount the layers with FUSE: {e.stderr.decode(errors='replace').strip()}; "
+                           "is /dev/fuse usable by this user?") from e
 
 
 def _supervise(cmd, env, timeout, log, echo, tail_lines, t0) -> Result:

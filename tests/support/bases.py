@@ -13,7 +13,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-TOOLS = ("dash", "cat", "ls", "mkdir", "rm", "touch", "chmod", "id", "sleep", "env", "head", "dd", "sh")
+TOOLS = ("dash", "cat", "cp", "ls", "mkdir", "rm", "touch", "chmod", "id", "sleep", "env", "head", "dd", "sh")
 
 
 def _libraries(binary: str) -> set[str]:

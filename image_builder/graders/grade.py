@@ -1,0 +1,53 @@
+"""Grading entry points: one task with one solution, or a predictions file against a task set."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable
+
+from image_builder.errors import ImageBuilderError
+from image_builder.execution import Executor
+
+from .assert_cases import grade_asserts
+from .options import GradeOptions
+from .predictions import Prediction
+from .results import GradeResult, TaskStatus
+from .stdio import grade_stdio
+from .swebench import grade_repo
+from .tasks import AssertTask, BadTask, RepoTask, StdioTask, Task
+
+ExecutorFor = Callable[[Task], Executor]  # which instance a task runs in: the runtime decides
+
+
+def grade(task: Task, solution: str, executor: Executor, options: GradeOptions = GradeOptions()) -> GradeResult:
+    """Never raises for bad input: every outcome is a result with a status and a reason."""
+    if isinstance(task, BadTask):
+        return GradeResult(task.task_id, "", TaskStatus.BAD_TASK, reason=task.reason)
+    kind = {AssertTask: "assert", StdioTask: "stdio", RepoTask: "repo"}[type(task)]
+    try:
+        if isinstance(task, AssertTask):
+            return grade_asserts(task, solution, executor, options)
+        if isinstance(task, StdioTask):
+            return grade_stdio(task, solution, executor, options)
+        return grade_repo(task, solution, executor, options)
+    except (ImageBuilderError, OSError) as exc:  # the executor failed, not the candidate
+        return GradeResult(task.task_id, kind, TaskStatus.ERROR, reason=f"grading run failed: {exc}")
+
+
+def grade_prediction(prediction: Prediction, tasks: dict[str, Task], executor_for: ExecutorFor,
+                     options: GradeOptions = GradeOptions()) -> GradeResult:
+    task = tasks.get(prediction.task_id)
+    if task is None:
+        return GradeResult(prediction.task_id, "", TaskStatus.UNKNOWN_TASK,
+                           reason=f"no task with id {prediction.task_id!r}")
+    if prediction.solution is None:
+        return GradeResult(prediction.task_id, "", TaskStatus.NO_SOLUTION, reason=prediction.reason)
+    return grade(task, prediction.solution, executor_for(task), options)
+
+
+def grade_predictions(tasks: Iterable[Task], predictions: Iterable[Prediction], executor_for: ExecutorFor,
+                      options: GradeOptions = GradeOptions(), workers: int = 2) -> list[GradeResult]:
+    """One result per prediction, in the predictions' order; tasks run `workers` at a time."""
+    by_id = {task.task_id: task for task in tasks}
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(lambda p: grade_prediction(p, by_id, executor_for, options), predictions))

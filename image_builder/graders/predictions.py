@@ -1,0 +1,56 @@
+"""Candidate solutions: predictions JSONL, or raw model responses holding a fenced code block.
+
+Records: {"task_id" | "instance_id", "solution" | "model_patch" | "response"}.
+`model_patch` is a diff, used as is (SWE-bench). `response` is a raw model
+answer: the MBPP prompt asks for "a single ```python code block", so the code
+is the last ```python block (the answer after any drafts); a response without
+one has no solution. A `solution` holding fences is treated as a response.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from .tasks import Unreadable, read_records
+
+_FENCE = re.compile(r"^[ \t]*```[ \t]*([\w+-]*)[^\n]*\n(.*?)^[ \t]*```", re.DOTALL | re.MULTILINE)
+_PYTHON_TAGS = {"python", "py", "python3"}
+
+
+@dataclass(frozen=True)
+class Prediction:
+    task_id: str
+    solution: str | None  # code or patch; None when there is nothing to run
+    reason: str = ""  # why solution is None
+
+
+def extract_code(response: str) -> str | None:
+    """The last ```python block; failing that the last untagged block; else None."""
+    blocks = [(m.group(1).lower(), m.group(2)) for m in _FENCE.finditer(response)]
+    python = [code for tag, code in blocks if tag in _PYTHON_TAGS]
+    untagged = [code for tag, code in blocks if not tag]
+    chosen = python or untagged
+    return chosen[-1] if chosen else None
+
+
+def prediction_from_record(record: object, fallback_id: str) -> Prediction:
+    if isinstance(record, Unreadable):
+        return Prediction(fallback_id, None, record.reason)
+    if not isinstance(record, dict):
+        return Prediction(fallback_id, None, "prediction is not a JSON object")
+    task_id = str(record.get("instance_id", record.get("task_id", fallback_id)))
+    if "model_patch" in record:
+        return Prediction(task_id, record["model_patch"] or "")  # an empty patch is a real (losing) answer
+    text = record.get("solution", record.get("response"))
+    if not isinstance(text, str):
+        return Prediction(task_id, None, "no solution, model_patch or response string")
+    if "response" in record and "solution" not in record or "```" in text:
+        code = extract_code(text)
+        return Prediction(task_id, code, "" if code is not None else "no ```python block in the response")
+    return Prediction(task_id, text)
+
+
+def load_predictions(path: Path) -> list[Prediction]:
+    return [prediction_from_record(record, fallback) for fallback, record in read_records(path)]

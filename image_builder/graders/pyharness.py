@@ -1,0 +1,207 @@
+"""The Python harness that runs candidate code inside the instance, and how its runs are read.
+
+Why a harness rather than `python3 script.py` and its exit code: a solution can
+end the process early with status 0 (`sys.exit(0)` or `os._exit(0)` at import,
+an `atexit` hook after the assertion failed), and a bare exit code calls that a
+pass. The harness runs the script as `__main__` (same file, same line numbers),
+then writes `<nonce> <outcome>` to stderr and leaves with os._exit. The nonce
+comes from a file that the harness deletes before any candidate code runs, so a
+solution cannot print a report it never saw; a run without the report failed.
+Code that digs the nonce out of the harness's own frames can still forge it:
+in-process code can always lie to an in-process checker.
+
+The harness keeps to Python 3.6 syntax: instance images carry old interpreters.
+"""
+
+from __future__ import annotations
+
+import secrets
+import signal
+from dataclasses import dataclass
+
+from image_builder.execution import RunRequest, RunResult
+
+from .options import GradeOptions
+from .results import CaseStatus
+
+HARNESS_FILE = "_ib_harness.py"
+NONCE_FILE = "_ib_nonce"
+STDERR_TAIL = 1000
+
+HARNESS = r'''
+import ast, json, os, sys, traceback, types
+
+EQ = "__ib_strict_eq__"
+PLAIN = (int, float, complex, str, bytes, bool, type(None))
+
+
+def plain(value):
+    kind = type(value)
+    if kind in (list, tuple, set, frozenset):
+        return all(plain(item) for item in value)
+    if kind is dict:
+        return all(plain(k) and plain(v) for k, v in value.items())
+    return kind in PLAIN
+
+
+def strict_eq(left, right):
+    # Plain values compare with the built-in ==; a plain value never equals a non-plain one.
+    if plain(left) or plain(right):
+        return plain(left) and plain(right) and left == right
+    return left == right
+
+
+class Strict(ast.NodeTransformer):
+    def visit_Compare(self, node):
+        self.generic_visit(node)
+        if len(node.ops) == 1 and isinstance(node.ops[0], ast.Eq):
+            call = ast.Call(func=ast.Name(id=EQ, ctx=ast.Load()), args=[node.left, node.comparators[0]], keywords=[])
+            return ast.copy_location(call, node)
+        return node
+
+
+def module_for(name, path):
+    module = types.ModuleType(name)
+    module.__file__ = path
+    module.__builtins__ = __builtins__
+    if name == "__main__":
+        sys.modules["__main__"] = module
+        sys.argv = [path]
+    return module
+
+
+def run_script(path, strict, case_line):
+    with open(path) as f:
+        source = f.read()
+    module = module_for("__main__", path)
+    if not strict:
+        exec(compile(source, path, "exec"), module.__dict__)
+        return
+    # The solution runs as written; only the case's == comparisons are rewritten, with the
+    # helper put in place after the solution's top-level code has run.
+    lines = source.splitlines(True)
+    exec(compile("".join(lines[:case_line - 1]), path, "exec"), module.__dict__)
+    tree = ast.parse("".join(lines[case_line - 1:]), path)
+    ast.increment_lineno(tree, case_line - 1)
+    tree = ast.fix_missing_locations(Strict().visit(tree))
+    module.__dict__[EQ] = strict_eq
+    exec(compile(tree, path, "exec"), module.__dict__)
+
+
+def run_call(path, call_path):
+    with open(call_path) as f:
+        call = json.load(f)
+    with open(path) as f:
+        source = f.read()
+    module = module_for("solution", path)  # not __main__: LiveCodeBench imports call-based code
+    exec(compile(source, path, "exec"), module.__dict__)
+    holder = module.__dict__.get("Solution")
+    if isinstance(holder, type) and hasattr(holder, call["fn_name"]):
+        function = getattr(holder(), call["fn_name"])
+    elif call["fn_name"] in module.__dict__:
+        function = module.__dict__[call["fn_name"]]
+    else:
+        raise NameError("no function or Solution method named " + call["fn_name"])
+    return json.dumps(function(*call["args"]))
+
+
+def show_exception():
+    try:
+        traceback.print_exc()
+    except BaseException:
+        pass
+
+
+def main():
+    harness = sys.modules["__main__"]  # held: the script's module replaces it in sys.modules
+    mode, path = sys.argv[1], sys.argv[2]
+    with open("''' + NONCE_FILE + r'''") as f:
+        nonce = f.read().strip()
+    os.unlink("''' + NONCE_FILE + r'''")
+    try:
+        if mode == "call":
+            outcome = "returned " + run_call(path, sys.argv[3])
+        else:
+            run_script(path, sys.argv[3] == "strict", int(sys.argv[4]))
+            outcome = "passed"
+    except AssertionError:
+        show_exception()
+        outcome = "failed"
+    except SystemExit:
+        outcome = "exited"
+    except BaseException as exc:
+        show_exception()
+        outcome = "raised " + ("".join(type(exc).__name__.split()) or "?")
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            pass
+    os.write(2, ("\n" + nonce + " " + outcome + "\n").encode("utf-8", "replace"))
+    del harness
+    os._exit(0)  # candidate atexit hooks must not run after the report
+
+
+main()
+'''
+
+
+@dataclass(frozen=True)
+class Outcome:
+    kind: str  # passed, failed, exited, raised, returned; "" when the harness never reported
+    detail: str  # the exception's name, or the returned JSON
+    stderr_tail: str  # stderr without the report
+
+
+def harness_request(mode_args: tuple[str, ...], files: dict[str, str], timeout: float,
+                    options: GradeOptions) -> tuple[RunRequest, str]:
+    nonce = secrets.token_hex(16)
+    payload = {name: text.encode() for name, text in files.items()}
+    payload[HARNESS_FILE] = HARNESS.encode()
+    payload[NONCE_FILE] = nonce.encode()
+    request = RunRequest(argv=(options.python, HARNESS_FILE, *mode_args), files=payload, env=dict(options.env),
+                         timeout=timeout, memory_mb=options.memory_mb, max_output=options.max_output)
+    return request, nonce
+
+
+def read_outcome(result: RunResult, nonce: str) -> Outcome:
+    text = result.stderr.decode("utf-8", "replace")
+    marker = "\n" + nonce + " "
+    at = text.rfind(marker)
+    if at < 0:
+        return Outcome("", "", tail(text))
+    kind, _, detail = text[at + len(marker):].rstrip("\n").partition(" ")
+    return Outcome(kind, detail, tail(text[:at]))
+
+
+def process_failure(result: RunResult) -> tuple[CaseStatus, str] | None:
+    """Why a run ended without the program finishing by itself, if it did."""
+    if result.timed_out:
+        return CaseStatus.TIMEOUT, f"timed out after {result.wall_time:.1f}s"
+    if result.out_of_memory:
+        return CaseStatus.ERROR, "out of memory"
+    if result.signal is not None:
+        return CaseStatus.ERROR, f"killed by {signal_name(result.signal)}"
+    return None
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def tail(text: str) -> str:
+    return text[-STDERR_TAIL:]
+
+
+def last_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1].strip()[:200] if lines else ""
+
+
+def no_report_reason(result: RunResult) -> str:
+    if result.truncated:
+        return "ended without a report; output went over the limit"
+    return f"ended without a report (exit code {result.exit_code}): the process left before the case finished"

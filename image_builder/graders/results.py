@@ -1,0 +1,112 @@
+"""What grading gives back: one record per graded task, JSONL output and a summary.
+
+Every input yields a record, never an exception: a malformed task, an unknown
+task id, a patch that does not apply, a hanging or flooding solution each get
+a status and a one-line reason.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+
+class CaseStatus(str, enum.Enum):
+    PASSED = "passed"
+    FAILED = "failed"  # the check ran and said no: an assertion, a wrong answer
+    ERROR = "error"  # the code did not get to the check: exception, crash, early exit, limit
+    TIMEOUT = "timeout"
+
+
+class TaskStatus(str, enum.Enum):
+    PASSED = "passed"  # every case passed; for repo tasks: resolved
+    FAILED = "failed"
+    BAD_TASK = "bad_task"  # the task record cannot be graded (malformed ground truth)
+    UNKNOWN_TASK = "unknown_task"  # a prediction names no known task
+    NO_SOLUTION = "no_solution"  # nothing to run: no code block in the response
+    PATCH_FAILED = "patch_failed"  # the candidate patch does not apply, or is refused
+    ERROR = "error"  # the grading run itself failed (executor error, test patch does not apply)
+
+
+@dataclass
+class CaseResult:
+    name: str  # the case's index for assert and stdio tasks
+    status: CaseStatus
+    reason: str = ""
+    stderr_tail: str = ""
+    wall_time: float = 0.0
+
+
+@dataclass
+class RepoReport:
+    """A repo-test run (SWE-bench style): what was applied, reverted, run and parsed."""
+    access: str
+    patch_applied_with: str | None  # the command that applied the candidate patch; None if empty or failed
+    reverted_files: list[str]  # candidate changes to test files undone before the tests ran
+    test_command: str
+    test_exit_code: int | None
+    timed_out: bool
+    fail_to_pass: dict[str, str]  # test id -> PASSED/FAILED/ERROR/SKIPPED/XFAIL/MISSING/MISMATCH
+    pass_to_pass: dict[str, str]
+    resolved: bool
+    crosscheck: str  # "junit" (log and junit agree or the test fails), "log-only", "junit-missing"
+    mismatches: list[str] = field(default_factory=list)  # tests whose log and junit statuses differ
+    apply_log: str = ""
+    log: str = ""  # the test command's output, between the run's markers
+
+
+@dataclass
+class GradeResult:
+    task_id: str
+    kind: str  # "assert", "stdio", "repo"; "" when the task is unknown or malformed
+    status: TaskStatus
+    score: float = 0.0  # fraction of cases passed; repo tasks: 1.0 if resolved
+    reason: str = ""
+    cases: list[CaseResult] = field(default_factory=list)
+    repo: RepoReport | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.status is TaskStatus.PASSED
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "passed": self.passed}
+
+
+@dataclass
+class Summary:
+    total: int
+    passed: int
+    pass_rate: float
+    mean_score: float
+    by_status: dict[str, int]
+    case_timeouts: int  # cases that hit their time limit, over all tasks
+    tasks_with_timeouts: int  # tasks with at least one timed-out case or a timed-out test run
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def summarize(results: Iterable[GradeResult]) -> Summary:
+    results = list(results)
+    total = len(results)
+    passed = sum(r.passed for r in results)
+    timeouts = [sum(c.status is CaseStatus.TIMEOUT for c in r.cases) + bool(r.repo and r.repo.timed_out)
+                for r in results]
+    return Summary(total=total, passed=passed, pass_rate=passed / total if total else 0.0,
+                   mean_score=sum(r.score for r in results) / total if total else 0.0,
+                   by_status=dict(Counter(r.status.value for r in results)),
+                   case_timeouts=sum(timeouts), tasks_with_timeouts=sum(t > 0 for t in timeouts))
+
+
+def write_jsonl(records: Iterable, path: Path) -> Path:
+    """Writes records that have a to_dict() (results, qc verdicts), one JSON object a line."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as out:
+        for record in records:
+            out.write(json.dumps(record.to_dict()) + "\n")
+    return path

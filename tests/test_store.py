@@ -1,0 +1,221 @@
+"""Instance overlays, index.json and whole-store builds."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from image_builder.catalog import load
+from image_builder.envbuild import BuildOptions
+from image_builder.cache import BlobCache
+from image_builder.index import read_index
+from image_builder.registry import RegistryOptions
+from image_builder.sif import partition_offset
+from image_builder.store import Store, UnknownInstance, verify
+from image_builder.storebuild import StoreBuildOptions, build_store
+from tests.conftest import run_cli
+from tests.test_envbuild import write_catalog
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMA = json.loads((ROOT / "index/schema.json").read_text())
+
+ENV_SCRIPT = "#!/bin/sh\nset -e\nmkdir -p /etc/keep /etc/opaque\necho e > /etc/keep/file\n" \
+             "echo one > /etc/opaque/one\necho two > /etc/opaque/two\necho env > /etc/from-env\n"
+INSTANCE_SCRIPT = "#!/bin/sh\nset -e\necho \"$TASK\" > /etc/task\nrm /etc/from-env\n" \
+                  "rm -rf /etc/opaque && mkdir /etc/opaque && echo new > /etc/opaque/new\n"
+
+
+def catalog(tmp: Path, base: str, n: int = 3, instance_script: str = INSTANCE_SCRIPT, extra: dict | None = None):
+    scripts = {"env.sh": ENV_SCRIPT, "inst.sh": instance_script, **(extra or {})}
+    insts = [{"id": f"task-{i}", "environment": "tiny", "script": "inst.sh", "env": {"TASK": f"task {i}"},
+              "workdir": "/work", "test_command": "true", "grader": {"n": i}} for i in range(n)]
+    return write_catalog(tmp, [{"name": "tiny", "base": base, "scripts": ["env.sh"]}], scripts, insts)
+
+
+def opts(tmp: Path, ca: Path, **kw) -> StoreBuildOptions:
+    build = BuildOptions(store=tmp / "store", cache=BlobCache(tmp / "cache"), registry=RegistryOptions(ca_cert=ca))
+    return StoreBuildOptions(build, **kw)
+
+
+def lls(image: Path) -> str:
+    return subprocess.run(["unsquashfs", "-lls", str(image)], capture_output=True, text=True, check=True).stdout
+
+
+class Stack:
+    """Kernel overlayfs over the env partition and instance overlays: what Apptainer's --overlay does."""
+
+    def __init__(self, tmp: Path, env_sif: Path, overlays: tuple[Path, ...]):
+        self.tmp, self.points = tmp, []
+        lowers = []
+        for i, (path, offset) in enumerate([(env_sif, partition_offset(env_sif)[0])] +
+                                           [(p, 0) for p in overlays]):
+            point = tmp / f"layer{i}"
+            point.mkdir()
+            subprocess.run(["mount", "-t", "squashfs", "-o", f"loop,ro,offset={offset}", str(path), str(point)],
+                           check=True)
+            self.points.append(point)
+            lowers.insert(0, str(point))
+        self.merged = tmp / "merged"
+        self.merged.mkdir()
+        subprocess.run(["mount", "-t", "overlay", "overlay", "-o", f"lowerdir={':'.join(lowers)}",
+                        str(self.merged)], check=True)
+        self.points.append(self.merged)
+
+    def close(self):
+        for p in reversed(self.points):
+            subprocess.run(["umount", str(p)], check=True)
+
+
+def test_store_build_instances_index_and_stacking(tmp_path, tiny_base, registries):
+    cat = load(catalog(tmp_path, tiny_base))
+    summary = build_store(cat, opts(tmp_path, registries.tls.cert))
+    assert not summary.failed, summary.failed
+    assert summary.count("instance", "built") == 3 and summary.count("environment", "built") == 1
+    doc = json.loads((tmp_path / "store/index.json").read_text())
+    jsonschema.validate(doc, SCHEMA)
+    index = read_index(tmp_path / "store")
+    assert set(index.instances) == {"task-0", "task-1", "task-2"}
+    inst = index.instances["task-1"]
+    assert inst.sqfs == "instances/task-1.sqfs" and inst.workdir == "/work" and inst.grader == {"n": 1}
+    env = index.environments["tiny"]
+    assert inst.size < env.size / 5, "an instance costs only what it adds"
+
+    listing = lls(tmp_path / "store/instances/task-1.sqfs")
+    assert "etc/task" in listing and "etc/opaque/new" in listing
+    whiteouts = [line for line in listing.splitlines() if line.startswith("c") and re.search(r"\s0,\s*0\s", line)]
+    assert any(line.endswith("etc/from-env") for line in whiteouts), listing
+    assert any(line.endswith("etc/opaque/one") for line in whiteouts) and any(line.endswith("etc/opaque/two")
+                                                                                for line in whiteouts)
+    assert "etc/keep" not in listing, "nothing the instance did not change"
+
+    resolved = Store.open(tmp_path / "store").resolve("task-1")
+    assert resolved.layers == (tmp_path / "store/envs/tiny.sif", tmp_path / "store/instances/task-1.sqfs")
+    stack = Stack(tmp_path, resolved.env_sif, resolved.overlays)
+    try:
+        m = stack.merged
+        assert (m / "etc/task").read_text() == "task 1\n"
+        assert not (m / "etc/from-env").exists(), "a deletion in the instance hides the env's file"
+        assert sorted(os.listdir(m / "etc/opaque")) == ["new"]
+        assert (m / "etc/keep/file").read_text() == "e\n"
+    finally:
+        stack.close()
+
+
+def test_noop_rebuild_packs_nothing(tmp_path, tiny_base, registries):
+    cat = load(catalog(tmp_path, tiny_base))
+    build_store(cat, opts(tmp_path, registries.tls.cert))
+    images = sorted((tmp_path / "store").glob("*/*.s*"))
+    stamps = [p.stat().st_mtime_ns for p in images]
+    again = build_store(cat, opts(tmp_path, registries.tls.cert))
+    assert {r.status for r in again.results} == {"up to date"}
+    assert [p.stat().st_mtime_ns for p in images] == stamps
+
+
+def test_resolve_errors_and_stale_lookup(tmp_path, tiny_base, registries):
+    build_store(load(catalog(tmp_path, tiny_base, n=1)), opts(tmp_path, registries.tls.cert))
+    store = Store.open(tmp_path / "store")
+    with pytest.raises(UnknownInstance, match="no instance 'nope'"):
+        store.resolve("nope")
+    index_json = tmp_path / "store/index.json"
+    doc = json.loads(index_json.read_text())
+    doc["instances"]["task-0"]["workdir"] = "/changed-by-hand"
+    index_json.write_text(json.dumps(doc))  # the lookup copy is now stale: the JSON must win
+    assert Store.open(tmp_path / "store").resolve("task-0").workdir == "/changed-by-hand"
+    with pytest.raises(Exception, match="not a store"):
+        Store.open(tmp_path / "nowhere")
+
+
+def test_failing_instance_does_not_stop_the_rest(tmp_path, tiny_base, registries):
+    path = catalog(tmp_path, tiny_base, n=2, extra={"bad.sh": "#!/bin/sh\necho about-to-fail\nexit 4\n"})
+    doc = yaml.safe_load(path.read_text())
+    doc["instances"].append({"id": "broken", "environment": "tiny", "script": "bad.sh"})
+    path.write_text(yaml.safe_dump(doc))
+    r = run_cli("build", str(path), "--store", str(tmp_path / "store"), "--cache-dir", str(tmp_path / "c"),
+                "--ca-cert", str(registries.tls.cert), "-j", "2")
+    assert r.returncode == 1
+    assert "failed: instance broken: script bad.sh exited 4" in r.stderr
+    log = tmp_path / "store/logs/instances/broken.log"
+    assert "about-to-fail" in log.read_text()
+    index = read_index(tmp_path / "store")
+    assert set(index.instances) == {"task-0", "task-1"}, "the index lists only finished items"
+
+
+def test_kill_9_mid_build_then_resume(tmp_path, tiny_base, registries):
+    slow = INSTANCE_SCRIPT + "sleep 2\n"
+    path = catalog(tmp_path, tiny_base, n=4, instance_script=slow)
+    args = ["build", str(path), "--store", str(tmp_path / "store"), "--cache-dir", str(tmp_path / "c"),
+            "--ca-cert", str(registries.tls.cert), "-j", "2"]
+    exe = str(ROOT / ".venv/bin/image-builder")
+    proc = subprocess.Popen([exe, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not list((tmp_path / "store").glob("instances/*.sqfs")):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert (tmp_path / "store/work").exists() and list((tmp_path / "store/work").iterdir()), \
+        "the build was killed with work in progress"
+    r = run_cli(*args, "--json")
+    assert r.returncode == 0, r.stderr
+    statuses = [x["status"] for x in json.loads(r.stdout)["results"] if x["kind"] == "instance"]
+    assert "up to date" in statuses and "built" in statuses, "finished items are kept, the rest built"
+    assert not list((tmp_path / "store/work").iterdir()), "dead builds' work trees are cleaned"
+    v = run_cli("verify", "--store", str(tmp_path / "store"))
+    assert v.returncode == 0 and "0 missing, 0 corrupt, 0 orphaned" in v.stdout, v.stdout
+
+
+def test_two_concurrent_builds_of_one_store(tmp_path, tiny_base, registries):
+    path = catalog(tmp_path, tiny_base, n=4)
+    args = ["build", str(path), "--store", str(tmp_path / "store"), "--cache-dir", str(tmp_path / "c"),
+            "--ca-cert", str(registries.tls.cert), "--json"]
+    exe = str(ROOT / ".venv/bin/image-builder")
+    procs = [subprocess.Popen([exe, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    built = sum(1 for out, _ in outs for x in json.loads(out)["results"] if x["status"] == "built")
+    assert built == 5, "each environment and instance is built once, by one of the two"
+    assert len(read_index(tmp_path / "store").instances) == 4
+    assert run_cli("verify", "--store", str(tmp_path / "store")).returncode == 0
+
+
+def test_verify_finds_corruption_and_build_repairs_it(tmp_path, tiny_base, registries):
+    path = catalog(tmp_path, tiny_base, n=1)
+    build_store(load(path), opts(tmp_path, registries.tls.cert))
+    sif = tmp_path / "store/envs/tiny.sif"
+    with open(sif, "r+b") as f:
+        f.seek(sif.stat().st_size - 100)
+        f.write(b"corrupted!")
+    (tmp_path / "store/instances/stray.sqfs").write_bytes(b"x")
+    r = run_cli("verify", "--store", str(tmp_path / "store"))
+    assert r.returncode == 1
+    assert "corrupt: envs/tiny.sif" in r.stdout and "orphaned: instances/stray.sqfs" in r.stdout
+    summary = build_store(load(path), opts(tmp_path, registries.tls.cert))
+    assert [r.status for r in summary.results if r.kind == "environment"] == ["built"]
+    g = run_cli("gc", "--store", str(tmp_path / "store"))
+    assert "removed instances/stray.sqfs" in g.stdout
+    assert run_cli("verify", "--store", str(tmp_path / "store")).returncode == 0
+
+
+def test_shards_merge_into_the_same_index(tmp_path, tiny_base, registries):
+    path = catalog(tmp_path, tiny_base, n=5)
+    for k in range(2):
+        r = run_cli("build", str(path), "--store", str(tmp_path / "store"), "--cache-dir", str(tmp_path / "c"),
+                    "--ca-cert", str(registries.tls.cert), "--shard", f"{k}/2")
+        assert r.returncode == 0, r.stderr
+    assert not (tmp_path / "store/index.json").exists()
+    m = run_cli("index", "merge", "--store", str(tmp_path / "store"))
+    assert m.returncode == 0 and "merged 2 fragments" in m.stdout
+    assert sorted(read_index(tmp_path / "store").instances) == [f"task-{i}" for i in range(5)]
+    ls = run_cli("ls", "--store", str(tmp_path / "store"))
+    assert ls.returncode == 0 and "tiny" in ls.stdout and " 5 " in ls.stdout
+    insp = run_cli("inspect", "task-3", "--store", str(tmp_path / "store"))
+    assert "apptainer exec --overlay" in insp.stdout and "task-3.sqfs:ro" in insp.stdout
