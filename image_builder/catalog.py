@@ -148,6 +148,15 @@ class _Checker:
             raise self.fail(node, "timeout", f"{where}.timeout must be a positive number of seconds")
         return float(value)
 
+    def context(self, catalog: Path, node: _Node, where: str) -> Path | None:
+        """A build context directory beside the catalog, or None."""
+        if node.get("context") is None:
+            return None
+        context = (catalog.parent / self.string(node, "context", where)).resolve()
+        if not context.is_dir():
+            raise self.fail(node, "context", f"{where}.context: no directory {context}")
+        return context
+
     def script(self, scripts_dir: Path, node: _Node, key: str, name: Any, where: str) -> Path:
         if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
             raise self.fail(node, key, f"{where}: {name!r} is not a script name: name a file in {scripts_dir}")
@@ -201,20 +210,15 @@ def load(path: Path | str, *, scripts_dir: Path | None = None, bases: dict[str, 
             scripts = [scripts]
         if not isinstance(scripts, list) or not scripts:
             raise c.fail(node, "scripts", f"{where}.scripts must be a non-empty list of script names")
-        context = None
-        if node.get("context") is not None:
-            context = (path.parent / c.string(node, "context", where)).resolve()
-            if not context.is_dir():
-                raise c.fail(node, "context", f"{where}.context: no directory {context}")
         environments[name] = EnvironmentSpec(
             name, base, tuple(c.script(scripts_dir, node, "scripts", s, where) for s in scripts),
-            c.env(node, where), context, c.timeout(node, where), Where(path, node.line))
+            c.env(node, where), c.context(path, node, where), c.timeout(node, where), Where(path, node.line))
 
     instances: dict[str, InstanceSpec] = {}
     for i, node in enumerate(top.get("instances") or []):
         where = f"instances[{i}]"
         c.mapping(node, where, {"id", "environment", "script", "env", "files", "workdir", "test_command",
-                                "grader", "timeout"}, {"id", "environment"})
+                                "grader", "timeout", "context"}, {"id", "environment"})
         iid = c.string(node, "id", where, NAME)
         if iid in instances:
             raise c.fail(node, "id", f"{where}: duplicate instance id {iid!r} (first at line {instances[iid].where.line})")
@@ -240,7 +244,7 @@ def load(path: Path | str, *, scripts_dir: Path | None = None, bases: dict[str, 
             raise c.fail(node, "test_command", f"{where}.test_command must be a string")
         instances[iid] = InstanceSpec(iid, env_name, script, c.env(node, where), resolved,
                                       str(node.get("workdir", "/")), test_command, dict(grader),
-                                      c.timeout(node, where), Where(path, node.line))
+                                      c.timeout(node, where), Where(path, node.line), c.context(path, node, where))
     for i, node in enumerate(top.get("instance_sets") or []):
         for spec in _instance_set(c, path, scripts_dir, node, f"instance_sets[{i}]", environments):
             if spec.id in instances:
@@ -265,11 +269,7 @@ def _instance_set(c: _Checker, path: Path, scripts_dir: Path, node: Any, where: 
     if bad:
         raise c.fail(node, "from", f"{where}.from: {len(bad)} tasks cannot be instances, first: {bad[0]}")
     script = c.script(scripts_dir, node, "script", node["script"], where) if node.get("script") else None
-    context = None
-    if node.get("context") is not None:
-        context = (path.parent / c.string(node, "context", where)).resolve()
-        if not context.is_dir():
-            raise c.fail(node, "context", f"{where}.context: no directory {context}")
+    context = c.context(path, node, where)
     env_template, env_vars = c.string(node, "environment", where), c.env(node, where)
     specs = []
     for d in found:

@@ -133,7 +133,7 @@ def _digest_file(path: Path) -> str:
 def rootfs_layer(rootfs: Path, dest: Path) -> Path:
     """A gzip tar layer of a directory, numeric owners, written once."""
     if not dest.exists():
-        tmp = dest.with_name(dest.name + ".tmp")
+        tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")  # several processes may make it at once
         with gzip.open(tmp, "wb", compresslevel=6) as gz, tarfile.open(fileobj=gz, mode="w|",
                                                                         format=tarfile.PAX_FORMAT) as tar:
             for entry in sorted(rootfs.iterdir()):

@@ -24,6 +24,7 @@ from tests.support.bases import tiny_rootfs
 from tests.support.oci import Entry
 from tests.support.servers import FaultProxy, TokenIssuer
 
+ROOT = Path(__file__).resolve().parents[1]
 REQUIRED_TOOLS = ["docker-registry", "mksquashfs", "unsquashfs", "squashfuse_ll", "siftool", "skopeo", "openssl",
                   "setpriv", "unshare", "fusermount3"]
 
@@ -169,6 +170,31 @@ def debian_base(registries) -> str:
     layer = rootfs_layer(root, TEST_CACHE / f"{root.name}.tar.gz")
     push_image(registries.open.url, "test/debian", "bookworm", [layer], ca=registries.tls.cert)
     return f"{registries.open.host}/test/debian:bookworm"
+
+
+@pytest.fixture(scope="session")
+def debian_bullseye_base(registries) -> str:
+    """Debian bullseye (Python 3.9) with venv and git, as test/debian:bullseye."""
+    root = debian_rootfs("bullseye", TEST_CACHE)
+    layer = rootfs_layer(root, TEST_CACHE / f"{root.name}.tar.gz")
+    push_image(registries.open.url, "test/debian", "bullseye", [layer], ca=registries.tls.cert)
+    return f"{registries.open.host}/test/debian:bullseye"
+
+
+@pytest.fixture(scope="session")
+def marshmallow_store(registries, debian_base, debian_bullseye_base, tmp_path_factory) -> Path:
+    """index/swebench-marshmallow.yaml built for real: two environments, two instances."""
+    from image_builder.catalog import load
+    from image_builder.envbuild import BuildOptions
+    from image_builder.storebuild import StoreBuildOptions, build_store
+    work = tmp_path_factory.mktemp("marshmallow")
+    catalog = load(ROOT / "index/swebench-marshmallow.yaml",
+                   bases={"bookworm-python": debian_base, "bullseye-python": debian_bullseye_base})
+    build = BuildOptions(store=work / "store", cache=BlobCache(work / "cache"),
+                         registry=RegistryOptions(ca_cert=registries.tls.cert))
+    summary = build_store(catalog, StoreBuildOptions(build, jobs=2))
+    assert not summary.failed, [(f.message, f.tail) for f in summary.failed]
+    return work / "store"
 
 
 @pytest.fixture

@@ -1,0 +1,162 @@
+"""Store benchmark: size of a store against full images, build throughput, no-op rebuild, resolve.
+
+- 20 instances of marshmallow at 20 consecutive commits on one environment
+  (the SWE-bench shape), built with -j 2: instances per minute, and the store's
+  bytes against 20 full per-instance images (env + instance flattened into one
+  squashfs each, same compression). Goal: at least 10x smaller.
+- No-op rebuild of a built 1,000-instance catalog. Goal: under 1 s.
+- Resolving one instance from a 100,000-instance index in a fresh process,
+  against loading the index.json and looking it up. Goal: under 50 ms.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from bench.common import CACHE, ROOT, Report, Row, python_rootfs
+from image_builder.cache import BlobCache
+from image_builder.catalog import load
+from image_builder.envbuild import BuildOptions
+from image_builder.index import EnvRecord, Index, InstanceRecord, write_index
+from image_builder.localregistry import push_image, rootfs_layer, self_signed_cert, start_registry
+from image_builder.registry import RegistryOptions
+from image_builder.squashfs import SquashOptions, mksquashfs_command
+from image_builder.storebuild import StoreBuildOptions, build_store
+
+BUNDLE = ROOT / "index/data/repos/marshmallow.bundle"
+BASE_1359 = json.loads((ROOT / "index/data/swebench_marshmallow.jsonl").read_text().splitlines()[0])["base_commit"]
+
+
+def commits(n: int, work: Path) -> list[str]:
+    clone = work / "mm"
+    subprocess.run(["git", "clone", "-q", "--bare", str(BUNDLE), str(clone)], check=True)
+    out = subprocess.run(["git", "-C", str(clone), "rev-list", "--first-parent", f"-n{n}", BASE_1359],
+                         capture_output=True, text=True, check=True).stdout
+    return out.split()
+
+
+def write_catalog(work: Path, base: str, instances: list[dict]) -> Path:
+    context = work / "context"
+    if not context.exists():
+        context.mkdir()
+        os.link(BUNDLE, context / "marshmallow.bundle")
+        (context / "id.txt").write_text("task\n")
+    path = work / f"catalog-{len(instances)}.yaml"
+    path.write_text(yaml.safe_dump({
+        "scripts_dir": str(ROOT / "env_scripts"),
+        "environments": [{"name": "marshmallow", "base": base, "scripts": ["python-venv.sh"],
+                          "env": {"VENV": "/opt/venv", "PYTHON_PACKAGES": "pytest<8 pytz simplejson",
+                                  "PATH": "/opt/venv/bin:/usr/local/bin:/usr/bin:/bin"}}],
+        "instances": instances}, sort_keys=False))
+    return path
+
+
+def full_image_bytes(store: Path, index_instances: list[str], work: Path) -> int:
+    """Each instance as one self-contained squashfs: env + instance stacked, then packed."""
+    from tests.test_store import Stack  # the same kernel overlay stacking the tests check
+    from image_builder.store import Store
+    total = 0
+    st = Store.open(store)
+    cmd_opts = SquashOptions()
+    for iid in index_instances:
+        resolved = st.resolve(iid)
+        mnt = work / f"full-{iid}"
+        mnt.mkdir()
+        stack = Stack(mnt, resolved.env_sif, resolved.overlays)
+        try:
+            dest = work / f"{iid}.full.sqfs"
+            subprocess.run(mksquashfs_command(stack.merged, dest, cmd_opts), check=True, stdout=subprocess.DEVNULL)
+            total += dest.stat().st_size
+            dest.unlink()
+        finally:
+            stack.close()
+    return total
+
+
+def resolve_bench(work: Path, report: Report) -> None:
+    n = 100_000
+    store = work / "big-store"
+    store.mkdir()
+    tests = [f"tests/test_schema.py::TestCase::test_case_{i}" for i in range(20)]
+    env = EnvRecord("env", "envs/env.sif", "sha256:" + "0" * 64, 1, "base", "sha256:" + "1" * 64,
+                    "sha256:" + "2" * 64, 0, {"PATH": "/usr/bin:/bin"})
+    insts = {f"repo__repo-{i}": InstanceRecord(f"repo__repo-{i}", "env", f"instances/repo__repo-{i}.sqfs",
+                                               "sha256:" + "3" * 64, 123456, "sha256:" + "4" * 64, "/testbed",
+                                               "pytest -rA", {"FAIL_TO_PASS": tests[:2], "PASS_TO_PASS": tests})
+             for i in range(n)}
+    write_index(store, Index({"env": env}, insts))
+    probe = "repo__repo-77777"
+    ours = (f"import time; t=time.perf_counter(); from image_builder.store import Store; "
+            f"Store.open({str(store)!r}).resolve({probe!r}); print(time.perf_counter()-t)")
+    plain = (f"import time; t=time.perf_counter(); import json; "
+             f"json.load(open({str(store / 'index.json')!r}))['instances'][{probe!r}]; print(time.perf_counter()-t)")
+
+    def fresh(code: str) -> float:
+        runs = [float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                     cwd=ROOT).stdout) for _ in range(5)]
+        return sorted(runs)[2]
+    report.rows.append(Row(f"resolve 1 of {n:,} instances (import + open + lookup)", fresh(ours),
+                           "json.load + dict lookup", fresh(plain), "< 50 ms", "s"))
+    report.notes.append(f"index.json of {n:,} instances: {(store / 'index.json').stat().st_size / 1e6:.0f} MB")
+
+
+def main() -> Report:
+    report = Report("store")
+    rootfs = python_rootfs()
+    layer = rootfs_layer(rootfs, CACHE / f"{rootfs.name}.tar.gz")
+    with tempfile.TemporaryDirectory(prefix="ib-bench-store-", dir="/var/tmp") as tmp:
+        work = Path(tmp)
+        tls = self_signed_cert(work, "tls")
+        with start_registry(work, "bench", work / "storage", tls) as reg:
+            push_image(reg.url, "bench/python", "1", [layer], ca=tls.cert)
+            base = f"{reg.host}/bench/python:1"
+            build = BuildOptions(store=work / "store", cache=BlobCache(work / "cache"),
+                                 registry=RegistryOptions(ca_cert=tls.cert))
+            instances = [{"id": f"mm-{i:02d}", "environment": "marshmallow", "script": "swebench-instance.sh",
+                          "context": "context", "workdir": "/testbed",
+                          "env": {"REPO_SOURCE": "/build/marshmallow.bundle", "BASE_COMMIT": sha}}
+                         for i, sha in enumerate(commits(20, work))]
+            cat = load(write_catalog(work, base, instances))
+            build_store(cat, StoreBuildOptions(build, jobs=2))
+            # Throughput: the instances alone, built again now that the environment is there.
+            for p in (work / "store/instances").iterdir():
+                p.unlink()
+            t0 = time.perf_counter()
+            s = build_store(cat, StoreBuildOptions(build, jobs=2))
+            per_min = s.count("instance", "built") / (time.perf_counter() - t0) * 60
+            report.notes.append(f"instance builds with -j 2: {per_min:.1f} instances/minute "
+                                "(git clone of a 5 MB bundle, checkout, pip install -e ., pack)")
+            env_bytes = (work / "store/envs/marshmallow.sif").stat().st_size
+            store_bytes = env_bytes + sum(p.stat().st_size for p in (work / "store/instances").glob("*.sqfs"))
+            full = full_image_bytes(work / "store", sorted(cat.instances), work)
+            report.rows.append(Row("store bytes for 20 marshmallow commits", store_bytes / 1e6,
+                                   "20 full images", full / 1e6, "ratio <= 0.1 (10x smaller)", "MB"))
+
+            many = [{"id": f"t-{i:04d}", "environment": "marshmallow", "workdir": "/task",
+                     "files": {"task/id.txt": "context/id.txt"}} for i in range(1000)]
+            cat_many = load(write_catalog(work, base, many))
+            t0 = time.perf_counter()
+            build_store(cat_many, StoreBuildOptions(build, jobs=2))
+            first = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            noop = build_store(cat_many, StoreBuildOptions(build, jobs=2))
+            t_noop = time.perf_counter() - t0
+            assert {r.status for r in noop.results} == {"up to date"}
+            report.rows.append(Row("no-op rebuild, 1,000 instances", t_noop, "first build", first, "< 1 s"))
+    with tempfile.TemporaryDirectory(prefix="ib-bench-resolve-", dir="/var/tmp") as tmp:
+        resolve_bench(Path(tmp), report)
+    return report
+
+
+if __name__ == "__main__":
+    r = main()
+    r.print()
+    r.save()
