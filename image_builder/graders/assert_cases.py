@@ -13,7 +13,7 @@ from image_builder.execution import Executor
 
 from .options import GradeOptions
 from .pyharness import harness_request, no_report_reason, process_failure, read_outcome
-from .results import CaseResult, CaseStatus, GradeResult, TaskStatus
+from .results import CaseResult, CaseStatus, GradeResult, from_cases
 from .tasks import AssertTask
 
 CASE_FILE = "_ib_case.py"
@@ -21,11 +21,7 @@ CASE_FILE = "_ib_case.py"
 
 def grade_asserts(task: AssertTask, solution: str, executor: Executor, options: GradeOptions) -> GradeResult:
     cases = [run_case(str(i), solution, case, executor, options) for i, case in enumerate(task.cases)]
-    passed = sum(c.status is CaseStatus.PASSED for c in cases)
-    first_miss = next((c for c in cases if c.status is not CaseStatus.PASSED), None)
-    return GradeResult(task.task_id, "assert", TaskStatus.PASSED if first_miss is None else TaskStatus.FAILED,
-                       score=passed / len(cases), cases=cases,
-                       reason="" if first_miss is None else f"case {first_miss.name}: {first_miss.reason}")
+    return from_cases(task.task_id, "assert", cases, "case")
 
 
 def run_case(name: str, solution: str, case: str, executor: Executor, options: GradeOptions) -> CaseResult:

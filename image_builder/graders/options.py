@@ -18,8 +18,8 @@ class GradeOptions:
     repo_timeout: float = 1800.0  # a whole repo-test run: SWE-bench's default
     repo_memory_mb: int | None = None  # SWE-bench sets none
     repo_max_output: int = 64 << 20  # -rA logs of big suites are long
-    # Anti-cheat extras beyond the graders we mirror: assert cases compare `==` only between plain
-    # built-in values (an object whose __eq__ always says True fails); repo tests count SKIPPED as failed.
+    # Beyond verl: assert cases compare `==` only between plain built-in values, so an object whose
+    # __eq__ always says True fails (call-based tests compare after a JSON round trip anyway).
     strict: bool = False
     access: TestAccess = TestAccess.HIDDEN  # for repo tasks; assert and stdio tests always live in the grader
     env: Mapping[str, str] = field(default_factory=dict)  # on top of the instance's environment

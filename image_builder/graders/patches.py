@@ -1,7 +1,8 @@
 """Which files a unified diff touches, and which paths a candidate patch may not touch.
 
 Headers are read only outside hunks (hunk lengths are counted), because a
-removed line starting with "-- " looks exactly like a `--- ` header.
+removed line starting with "-- " looks exactly like a `--- ` header. A line
+that cannot be hunk content ends a hunk whose counts were wrong.
 Paths are taken as `git apply` and `patch -p1` take them: first component dropped.
 """
 
@@ -27,7 +28,7 @@ def file_changes(diff: str) -> list[FileChange]:
     awaiting_headers = False  # after `diff --git`, the ---/+++ lines belong to the same file
     old_left = new_left = 0
     for line in diff.splitlines():
-        if old_left > 0 or new_left > 0:
+        if (old_left > 0 or new_left > 0) and line[:1] in ("", " ", "-", "+", "\\"):
             if line.startswith("-"):
                 old_left -= 1
             elif line.startswith("+"):

@@ -77,6 +77,15 @@ class GradeResult:
         return {**asdict(self), "passed": self.passed}
 
 
+def from_cases(task_id: str, kind: str, cases: list[CaseResult], label: str) -> GradeResult:
+    """A task graded case by case: the fraction passed, and the first miss as the reason."""
+    passed = sum(c.status is CaseStatus.PASSED for c in cases)
+    miss = next((c for c in cases if c.status is not CaseStatus.PASSED), None)
+    return GradeResult(task_id, kind, TaskStatus.PASSED if miss is None else TaskStatus.FAILED,
+                       score=passed / len(cases), cases=cases,
+                       reason="" if miss is None else f"{label} {miss.name}: {miss.reason}")
+
+
 @dataclass
 class Summary:
     total: int

@@ -20,7 +20,7 @@ from image_builder.execution import Executor, RunRequest
 
 from .options import GradeOptions
 from .pyharness import harness_request, last_line, no_report_reason, process_failure, read_outcome, tail
-from .results import CaseResult, CaseStatus, GradeResult, TaskStatus
+from .results import CaseResult, CaseStatus, GradeResult, TaskStatus, from_cases
 from .tasks import StdioTask
 
 SOLUTION_FILE = "_ib_solution.py"
@@ -30,19 +30,15 @@ CALL_FILE = "_ib_call.json"
 def grade_stdio(task: StdioTask, solution: str, executor: Executor, options: GradeOptions) -> GradeResult:
     if task.fn_name:
         try:
-            calls = [_call_case(task.inputs[i], task.outputs[i]) for i in range(len(task.inputs))]
+            calls = [_call_case(given, expected) for given, expected in zip(task.inputs, task.outputs)]
         except ValueError as exc:
             return GradeResult(task.task_id, "stdio", TaskStatus.BAD_TASK, reason=f"call-based test: {exc}")
-        cases = [_run_call(str(i), solution, task.fn_name, args, expected, executor, options)
-                 for i, (args, expected) in enumerate(calls)]
+        cases = [_run_call(str(i), solution, task.fn_name, args, accepted, executor, options)
+                 for i, (args, accepted) in enumerate(calls)]
     else:
         cases = [_run_stdin(str(i), solution, given, expected, executor, options)
                  for i, (given, expected) in enumerate(zip(task.inputs, task.outputs))]
-    passed = sum(c.status is CaseStatus.PASSED for c in cases)
-    first_miss = next((c for c in cases if c.status is not CaseStatus.PASSED), None)
-    return GradeResult(task.task_id, "stdio", TaskStatus.PASSED if first_miss is None else TaskStatus.FAILED,
-                       score=passed / len(cases), cases=cases,
-                       reason="" if first_miss is None else f"test {first_miss.name}: {first_miss.reason}")
+    return from_cases(task.task_id, "stdio", cases, "test")
 
 
 def compare_stdout(output: str, expected: str) -> str | None:

@@ -88,7 +88,7 @@ def grade_repo(task: RepoTask, patch: str, executor: Executor, options: GradeOpt
     reverted = reverted_files(options.access, candidate_paths, test_files)
     pytest = "pytest" in task.test_cmd.split()
     command = " ".join([task.test_cmd, *(['--junitxml="$J/junit.xml"'] if pytest else []),
-                        *map(shlex.quote, test_files)])
+                        *map(shlex.quote, directives_for(task.repo, test_files))])
     script = eval_script(task.base_commit, options.access, [*test_files, *reverted], command)
     nonce = secrets.token_hex(16)
     files = {f"{GRADER_DIR}/eval.sh": script, f"{GRADER_DIR}/nonce": nonce, f"{GRADER_DIR}/model.patch": patch,
@@ -98,6 +98,14 @@ def grade_repo(task: RepoTask, patch: str, executor: Executor, options: GradeOpt
                                      timeout=options.repo_timeout, memory_mb=options.repo_memory_mb,
                                      max_output=options.repo_max_output))
     return judge(task, read_run(result, nonce), options.access, reverted, task.test_cmd, pytest)
+
+
+def directives_for(repo: str, test_files: list[str]) -> list[str]:
+    """What the test command gets: the test patch's files; for Django's runner, their module names."""
+    if repo != "django/django":
+        return test_files
+    modules = [path.removesuffix(".py") for path in test_files if path.endswith(".py")]
+    return [m.removeprefix("tests/").replace("/", ".") for m in modules]
 
 
 def eval_script(base_commit: str, access: TestAccess, reset_paths: list[str], command: str) -> str:

@@ -66,6 +66,9 @@ class BadTask:
 
 Task = Union[AssertTask, StdioTask, RepoTask, BadTask]
 
+# SWE-bench's test commands where they differ from `pytest -rA`; a record's own `test_cmd` wins.
+REPO_TEST_CMDS = {"django/django": "./tests/runtests.py --verbosity 2 --settings=test_sqlite --parallel 1"}
+
 
 def parse_ground_truth(task_id: str, ground_truth: Any, *, data_source: str = "",
                        impossible_type: str | None = None, original_id: str | None = None) -> Task:
@@ -93,7 +96,8 @@ def parse_ground_truth(task_id: str, ground_truth: Any, *, data_source: str = ""
             return BadTask(task_id, "stdin/stdout inputs and outputs must be strings")
         return StdioTask(task_id, tuple(inputs), tuple(outputs), original_id, fn_name or None, impossible_type,
                          data_source)
-    return BadTask(task_id, f"ground truth has none of assert_case, inputs/outputs (keys: {sorted(ground_truth)})")
+    keys = sorted(map(str, ground_truth))
+    return BadTask(task_id, f"ground truth has none of assert_case, inputs/outputs (keys: {keys})")
 
 
 @dataclass(frozen=True)
@@ -111,7 +115,7 @@ def task_from_record(record: Any, fallback_id: str) -> Task:
     if "instance_id" in record or "test_patch" in record:
         return _repo_task(record, fallback_id)
     if "reward_model" in record:
-        extra = record.get("extra_info") or {}
+        extra = record.get("extra_info") if isinstance(record.get("extra_info"), dict) else {}
         task_id = str(extra.get("task_id", extra.get("index", fallback_id)))
         reward_model = record["reward_model"] if isinstance(record["reward_model"], dict) else {}
         if "ground_truth" not in reward_model:
@@ -136,7 +140,8 @@ def _repo_task(record: dict, fallback_id: str) -> Task:
         return BadTask(task_id, str(exc))
     impossible_type = record.get("impossible_type")
     original_id = task_id.removesuffix(f"__{impossible_type}") if impossible_type else task_id
-    extra = {"test_cmd": record["test_cmd"]} if record.get("test_cmd") else {}
+    test_cmd = record.get("test_cmd") or REPO_TEST_CMDS.get(record["repo"])
+    extra = {"test_cmd": test_cmd} if test_cmd else {}
     return RepoTask(task_id, record["repo"], record["base_commit"], record.get("patch") or "", record["test_patch"],
                     fail_to_pass, pass_to_pass, original_id, str(record.get("version", "")), impossible_type,
                     record.get("original_test_patch"), **extra)
@@ -144,7 +149,10 @@ def _repo_task(record: dict, fallback_id: str) -> Task:
 
 def _test_list(value: Any) -> tuple[str, ...]:
     # SWE-bench stores the lists as JSON strings; some exports have real lists.
-    tests = json.loads(value) if isinstance(value, str) else value
+    try:
+        tests = json.loads(value) if isinstance(value, str) else value
+    except ValueError:
+        tests = None
     if not isinstance(tests, list) or not all(isinstance(t, str) for t in tests):
         raise ValueError("FAIL_TO_PASS and PASS_TO_PASS must be lists of test ids")
     return tuple(tests)

@@ -1,0 +1,53 @@
+"""`make bench`: every benchmark under bench/, side by side with its peer, into bench/RESULTS.md."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import platform
+import sys
+import time
+import traceback
+
+from bench.common import ROOT
+
+AREAS = ["pull", "build", "store", "runtime", "graders", "slurm"]
+
+
+def main() -> int:
+    wanted = sys.argv[1:] or AREAS
+    sections, failed = [], []
+    for area in wanted:
+        try:
+            module = importlib.import_module(f"bench.{area}")
+        except ModuleNotFoundError:
+            continue
+        print(f"== {area}", flush=True)
+        try:
+            report = module.main()
+        except Exception:  # one broken benchmark must not hide the others' figures
+            traceback.print_exc()
+            failed.append(area)
+            continue
+        report.print()
+        report.save()
+        sections.append(report)
+    lines = [f"# Benchmark results", "",
+             f"{os.cpu_count()} cores, {platform.machine()}, {platform.platform()}, "
+             f"{time.strftime('%Y-%m-%d %H:%M')}. Produced by `make bench`; each row is this project "
+             "against its peer measured in the same run, the ratio being ours / peer.", ""]
+    for r in sections:
+        lines += [f"## {r.area}", "", "| what | image_builder | peer | peer value | ratio | goal |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {row.what} | {row.ours:.3f} {row.unit} | {row.peer_name} | {row.peer:.3f} {row.unit} | "
+                  f"{row.ratio:.2f}x | {row.goal} |" for row in r.rows]
+        lines += [f"- {n}" for n in r.notes] + [""]
+    if failed:
+        lines.append(f"Failed to run: {', '.join(failed)} (see the output of make bench).")
+    (ROOT / "bench" / "RESULTS.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {ROOT / 'bench' / 'RESULTS.md'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""verl custom reward function: `custom_reward_function.path=<this file>`, `name=compute_score`.
+
+The code is the last ```python block of the response (the MBPP prompt asks for
+one); the ground truth is verl's JSON string, dispatched on its keys
+(`assert_case`, or `inputs`/`outputs`). A malformed ground truth or a response
+without code scores 0; a missing executor is a configuration error and raises.
+"""
+
+from __future__ import annotations
+
+import os
+
+from image_builder.execution import Executor
+
+from .graders.errors import GraderError
+from .graders.grade import grade
+from .graders.options import GradeOptions
+from .graders.predictions import extract_code
+from .graders.tasks import BadTask, Task, parse_ground_truth
+
+STORE_ENV = "IMAGE_BUILDER_STORE"
+OPTIONS = GradeOptions()
+_executor: Executor | None = None
+
+
+def set_executor(executor: Executor | None) -> None:
+    """Use this executor for every task (tests; a trainer that manages its own instance)."""
+    global _executor
+    _executor = executor
+
+
+def _executor_for(task: Task) -> Executor:
+    # ---- WIRING POINT: the runtime/store goes here --------------------------------------
+    # Open the store at $IMAGE_BUILDER_STORE and return an executor for the instance that
+    # serves this task (chosen by task.data_source). Until then only set_executor() works.
+    if _executor is not None:
+        return _executor
+    store = os.environ.get(STORE_ENV)
+    if not store:
+        raise GraderError(f"no executor for reward scoring: set {STORE_ENV} to the image store")
+    raise GraderError(f"no executor for reward scoring: the runtime for the store at {store} is not wired yet")
+
+
+def compute_score(data_source: str, solution_str: str, ground_truth, extra_info: dict | None = None) -> dict:
+    """{"score": fraction of tests passed, "all_passed": 1.0 or 0.0}; verl logs the extra key."""
+    task_id = str((extra_info or {}).get("task_id", (extra_info or {}).get("index", "")))
+    task = parse_ground_truth(task_id, ground_truth, data_source=data_source)
+    code = extract_code(solution_str or "")
+    if code is None or isinstance(task, BadTask):
+        return {"score": 0.0, "all_passed": 0.0}
+    result = grade(task, code, _executor_for(task), OPTIONS)
+    return {"score": result.score, "all_passed": float(result.passed)}
