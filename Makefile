@@ -7,9 +7,10 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 # Runtime tools, then the ones only the tests and benchmarks use.
 APT_RUNTIME = python3-venv squashfs-tools squashfuse fuse-overlayfs fuse3 proot util-linux git ca-certificates
-APT_TEST    = docker-registry siftool skopeo debootstrap openssl
+APT_TEST    = docker-registry siftool skopeo debootstrap openssl munge slurmctld slurmd slurm-client
 # One binary per package, to tell whether the packages are already there.
-APT_PROBES  = mksquashfs squashfuse_ll fuse-overlayfs proot unshare git docker-registry siftool skopeo debootstrap openssl
+APT_PROBES  = mksquashfs squashfuse_ll fuse-overlayfs proot unshare git docker-registry siftool skopeo debootstrap openssl \
+              munged slurmctld slurmd sbatch
 
 .PHONY: all setup host venv test demo bench clean
 

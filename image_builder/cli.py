@@ -142,6 +142,8 @@ def _parse_shard(value: str | None) -> tuple[int, int] | None:
 @click.option("--only", multiple=True, metavar="ID", help="Build only these instances or environments.")
 @click.option("--shard", metavar="K/N", help="Build the K-th of N slices of the instances (K from 0), "
               "writing an index fragment for `index merge`.")
+@click.option("--environments-only", is_flag=True, help="Build only the environments (those of the --only or "
+              "--shard instances), none of the instances.")
 @click.option("--fail-fast", is_flag=True, help="Stop at the first failure.")
 @base_option
 @backend_option
@@ -153,8 +155,8 @@ def _parse_shard(value: str | None) -> tuple[int, int] | None:
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON on stdout.")
 @registry_options
 @_one_line_errors
-def build(catalog, store, jobs, only, shard, fail_fast, bases, backend, compression, processors, force, verbose,
-          as_json, cache_dir, ca_cert, plain_http, insecure_tls):
+def build(catalog, store, jobs, only, shard, fail_fast, environments_only, bases, backend, compression, processors,
+          force, verbose, as_json, cache_dir, ca_cert, plain_http, insecure_tls):
     """Build CATALOG into STORE: one .sif per environment, one .sqfs per instance, and index.json."""
     from .cache import BlobCache
     from .catalog import load
@@ -175,8 +177,8 @@ def build(catalog, store, jobs, only, shard, fail_fast, bases, backend, compress
                                                    level=3 if compression == "zstd" else None, processors=processors),
                               verbose=verbose, force=force)
     opts = StoreBuildOptions(build_opts, jobs=jobs, only=frozenset(only), shard=_parse_shard(shard),
-                             fail_fast=fail_fast)
-    envs, instances = select(cat, opts.only, opts.shard)
+                             fail_fast=fail_fast, environments_only=environments_only)
+    envs, instances = select(cat, opts.only, opts.shard, opts.environments_only)
     reporter = BuildProgress(len(envs) + len(instances)) if sys.stderr.isatty() and not verbose else BuildLog()
     with reporter:
         summary = build_store(cat, opts, reporter)
@@ -336,6 +338,110 @@ def index_merge(store):
     from .storebuild import merge_fragments
     path, count = merge_fragments(store)
     click.echo(f"merged {count} fragments into {path}")
+
+
+
+@main.group(name="slurm")
+def slurm_group():
+    """Build a store with a Slurm job array: the store on a shared filesystem, no root on the nodes."""
+
+
+run_argument = click.argument("run_dir", metavar="RUN", type=click.Path(exists=True, file_okay=False, path_type=Path))
+wait_option = click.option("--wait", is_flag=True, help="Follow the jobs until they end; exit non-zero if one failed.")
+poll_option = click.option("--poll", type=click.FloatRange(0.1), default=5.0, show_default=True, metavar="SECONDS",
+                           help="Seconds between two looks at squeue with --wait.")
+
+
+@slurm_group.command(name="build")
+@catalog_argument
+@store_option
+@click.option("--shards", type=click.IntRange(1), required=True, help="Array tasks the instances are split over.")
+@click.option("--partition", help="sbatch --partition.")
+@click.option("--time", "time_limit", metavar="TIME", help="sbatch --time, per job (e.g. 2:00:00).")
+@click.option("--cpus-per-task", type=click.IntRange(1), help="sbatch --cpus-per-task: items built at once per job.")
+@click.option("--sbatch-arg", "sbatch_args", multiple=True, metavar="OPTION",
+              help="Another sbatch option for every job, e.g. --account=proj (repeatable).")
+@base_option
+@click.option("--compression", type=click.Choice(["zstd", "gzip", "lz4", "xz"]), default="zstd", show_default=True,
+              help="squashfs compression (gzip for the oldest Apptainers).")
+@registry_options
+@wait_option
+@poll_option
+@_one_line_errors
+def slurm_build(catalog, store, shards, partition, time_limit, cpus_per_task, sbatch_args, bases, compression,
+                cache_dir, ca_cert, plain_http, insecure_tls, wait, poll):
+    """Build CATALOG into STORE as Slurm jobs: environments, then the instances as a job array, then the index."""
+    import os
+    from . import slurm
+    plan = slurm.build_plan(catalog, store, shards, bases=_parse_bases(bases), cache_dir=cache_dir, ca_cert=ca_cert,
+                            plain_http=plain_http, insecure_tls=insecure_tls, compression=compression)
+    sbatch = slurm.SbatchOptions(partition, time_limit, cpus_per_task, sbatch_args)
+    run = slurm.write_run(plan, sbatch, dict(os.environ))
+    for stale in slurm.drop_other_fragments(plan.store, shards):
+        click.echo(f"removed {stale}: a fragment of an earlier build in another number of shards", err=True)
+    _submitted(run, slurm.submit(run))
+    if wait:
+        _slurm_follow(run, poll)
+
+
+@slurm_group.command(name="status")
+@run_argument
+@wait_option
+@poll_option
+@_one_line_errors
+def slurm_status(run_dir, wait, poll):
+    """Show where the jobs of RUN (STORE/slurm/<kind>-<time>/) are; exit non-zero if one failed."""
+    from . import slurm
+    run = slurm.Run.open(run_dir)
+    if wait:
+        return _slurm_follow(run, poll)
+    snap = slurm.snapshot(run)
+    click.echo(snap.summary())
+    _slurm_report(run, snap)
+
+
+@slurm_group.command(name="resubmit")
+@run_argument
+@wait_option
+@poll_option
+@_one_line_errors
+def slurm_resubmit(run_dir, wait, poll):
+    """Submit again the failed shards of RUN, and the jobs after them; finished items are not rebuilt."""
+    from . import slurm
+    run = slurm.Run.open(run_dir)
+    _submitted(run, slurm.resubmit(run))
+    if wait:
+        _slurm_follow(run, poll)
+
+
+def _submitted(run, submission) -> None:
+    from .slurm import format_indices
+    jobs = ", ".join(f"{stage} {job}" + (f" (shards {format_indices(submission.shards)})" if stage == run.array else "")
+                     for stage, job in submission.jobs.items())
+    click.echo(f"submitted {jobs}")
+    click.echo(f"run: {run.directory}  (job.sh, submit.sh, logs/)")
+    click.echo(f"follow: image-builder slurm status {run.directory} --wait")
+
+
+def _slurm_follow(run, poll: float) -> None:
+    from .slurm import follow
+    _slurm_report(run, follow(run, lambda snap: click.echo(snap.summary(), err=True), poll=poll))
+
+
+def _slurm_report(run, snap) -> None:
+    """Failed jobs with their logs and how to resubmit them; exit 1 if there are any."""
+    from .slurm import log_excerpt
+    for task in snap.failed:
+        what = f"{task.stage} {task.shard}" if task.shard is not None else task.stage
+        log = f"; log: {task.log}" if task.log.exists() else ""  # none when it never ran
+        click.echo(f"failed: {what} (job {task.job}): {task.detail}{log}", err=True)
+        for line in log_excerpt(task.log):
+            click.echo(f"  | {line}", err=True)
+    if snap.failed:
+        click.echo(f"resubmit what failed: image-builder slurm resubmit {run.directory}", err=True)
+        sys.exit(1)
+    if snap.finished:
+        click.echo(f"done: every job of {run.directory} succeeded")
 
 
 if __name__ == "__main__":

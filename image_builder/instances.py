@@ -28,12 +28,12 @@ from pathlib import Path
 from . import __version__
 from .cache import sha256_file
 from .catalog import InstanceSpec
-from .envbuild import BuildFailed, EnvBuild, tree_digest
+from .envbuild import BuildFailed, EnvBuild, clamp_mtimes, tree_digest
 from .errors import ImageBuilderError
 from .overlay import normalise_upper
 from .sandbox import Backend, Bind, Overlay, SandboxSpec, SquashImage, detect_backend, run as sandbox_run
 from .sif import partition_offset
-from .squashfs import SquashOptions, pack
+from .squashfs import SquashOptions, pack, source_date_epoch
 from .store import StorePaths, remove_tree
 
 FILES_IN_SANDBOX = "/tmp/.image-builder/instance-files"
@@ -153,6 +153,9 @@ def build_instance(spec: InstanceSpec, env: EnvBuild, store: Path, *, backend: B
             raise BuildFailed(f"instance {spec.id}: script {spec.script.name if spec.script else '(files)'} "
                               f"{why}; log: {log}", log=log, tail=result.tail)
         normalise_upper(upper, lower_children(env.sif, offset))
+        epoch = source_date_epoch()
+        if epoch is not None:  # as for environments: the same inputs make the same bytes
+            clamp_mtimes(upper, epoch)
         pack(upper, dest, squash if os.geteuid() == 0 else replace(squash, all_root=True))
         st = dest.stat()
         build = InstanceBuild(spec.id, spec.environment, dest, sha256_file(dest), st.st_size, key, True,

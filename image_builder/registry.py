@@ -82,7 +82,8 @@ def _merged_bundle(ca_cert: Path, where: Path) -> str:
     where.mkdir(parents=True, exist_ok=True)
     dest = where / f"ca-{hashlib.sha256(data).hexdigest()[:16]}.pem"
     if not dest.exists():
-        tmp = dest.with_suffix(f".{os.getpid()}.tmp")
+        # Per thread too: environments built at once (-j) each open a transport with the same CA.
+        tmp = dest.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         tmp.write_bytes(data)
         os.replace(tmp, dest)
     return str(dest)

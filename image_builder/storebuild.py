@@ -41,6 +41,8 @@ class StoreBuildOptions:
     only: frozenset[str] = frozenset()  # instance ids or environment names
     shard: tuple[int, int] | None = None  # (k, n): instances k, k+n, k+2n, ... in id order
     fail_fast: bool = False
+    # Only the environments: the first job of a Slurm array, so no two shards build one.
+    environments_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,7 @@ def item_lock(store: Path, name: str) -> Iterator[None]:
         yield
 
 
-def select(catalog: Catalog, only: frozenset[str], shard: tuple[int, int] | None
+def select(catalog: Catalog, only: frozenset[str], shard: tuple[int, int] | None, environments_only: bool = False
            ) -> tuple[list[EnvironmentSpec], list[InstanceSpec]]:
     unknown = sorted(only - set(catalog.environments) - set(catalog.instances))
     if unknown:
@@ -100,9 +102,11 @@ def select(catalog: Catalog, only: frozenset[str], shard: tuple[int, int] | None
         k, n = shard
         instances = [inst for pos, inst in enumerate(instances) if pos % n == k]
     wanted = {i.environment for i in instances} | (only & set(catalog.environments))
-    if not only and not shard:
-        wanted = set(catalog.environments)
-    return [catalog.environments[n] for n in catalog.environments if n in wanted], instances
+    if not only and (not shard or shard[0] == 0):
+        # A full build has the environments no instance uses, so the N shards together do too: shard 0 builds them.
+        wanted |= set(catalog.environments) - {i.environment for i in catalog.instances.values()}
+    envs = [catalog.environments[n] for n in catalog.environments if n in wanted]
+    return envs, [] if environments_only else instances
 
 
 def drop_if_corrupt(sif: Path) -> None:
@@ -154,7 +158,7 @@ def build_store(catalog: Catalog, opts: StoreBuildOptions, reporter: Reporter = 
     paths = StorePaths(store)
     store.mkdir(parents=True, exist_ok=True)
     remove_dead_work(store)
-    envs, instances = select(catalog, opts.only, opts.shard)
+    envs, instances = select(catalog, opts.only, opts.shard, opts.environments_only)
     summary = Summary()
     env_builds: dict[str, EnvBuild] = {}
     env_records: dict[str, EnvRecord] = {}
