@@ -22,6 +22,7 @@ from pathlib import Path
 import requests
 import yaml
 
+from .cache import sha256_file
 from .errors import ImageBuilderError
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -122,14 +123,6 @@ def start_registry(workdir: Path, name: str, storage: Path, tls: CertPair, auth:
     raise LocalRegistryError(f"docker-registry {name} did not answer within 20 s; see {log}")
 
 
-def _digest_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return "sha256:" + h.hexdigest()
-
-
 def rootfs_layer(rootfs: Path, dest: Path) -> Path:
     """A gzip tar layer of a directory, numeric owners, written once."""
     if not dest.exists():
@@ -149,7 +142,7 @@ def push_image(registry_url: str, repository: str, tag: str, layers: list[Path],
     session = requests.Session()
 
     def put_blob(data_path: Path | None, data: bytes | None) -> tuple[str, int]:
-        digest = _digest_file(data_path) if data_path else "sha256:" + hashlib.sha256(data).hexdigest()
+        digest = sha256_file(data_path) if data_path else "sha256:" + hashlib.sha256(data).hexdigest()
         size = data_path.stat().st_size if data_path else len(data)
         if session.head(f"{registry_url}/v2/{repository}/blobs/{digest}", verify=verify).status_code == 200:
             return digest, size

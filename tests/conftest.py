@@ -163,22 +163,22 @@ def tiny_base(registries, tmp_path_factory) -> str:
     return f"{registries.open.host}/test/tiny:1"
 
 
+def _debian_image(registries, suite: str) -> str:
+    """A Debian minbase with python3, venv and git (debootstrap once, cached), as test/debian:SUITE."""
+    root = debian_rootfs(suite, TEST_CACHE)
+    layer = rootfs_layer(root, TEST_CACHE / f"{root.name}.tar.gz")
+    push_image(registries.open.url, "test/debian", suite, [layer], ca=registries.tls.cert)
+    return f"{registries.open.host}/test/debian:{suite}"
+
+
 @pytest.fixture(scope="session")
 def debian_base(registries) -> str:
-    """Debian bookworm minbase with python3, venv and git (debootstrap once, cached), as test/debian:bookworm."""
-    root = debian_rootfs("bookworm", TEST_CACHE)
-    layer = rootfs_layer(root, TEST_CACHE / f"{root.name}.tar.gz")
-    push_image(registries.open.url, "test/debian", "bookworm", [layer], ca=registries.tls.cert)
-    return f"{registries.open.host}/test/debian:bookworm"
+    return _debian_image(registries, "bookworm")  # Python 3.11
 
 
 @pytest.fixture(scope="session")
 def debian_bullseye_base(registries) -> str:
-    """Debian bullseye (Python 3.9) with venv and git, as test/debian:bullseye."""
-    root = debian_rootfs("bullseye", TEST_CACHE)
-    layer = rootfs_layer(root, TEST_CACHE / f"{root.name}.tar.gz")
-    push_image(registries.open.url, "test/debian", "bullseye", [layer], ca=registries.tls.cert)
-    return f"{registries.open.host}/test/debian:bullseye"
+    return _debian_image(registries, "bullseye")  # Python 3.9
 
 
 @pytest.fixture(scope="session")
