@@ -1,0 +1,469 @@
+"""The runtime against real images on every backend this host can run: kernel as root,
+userns and extract as an unprivileged user (uid 65534 through setpriv).
+
+Each scenario runs in tests/support/runtime_driver.py, a process of its own, so that it
+can run as another user, be killed mid-run or be given a terminal.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import pty
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from image_builder.bases import debian_rootfs
+from image_builder.execution import RunRequest
+from image_builder.runtime import Backend, InstanceLayers, apptainer_command, detect_backend, doctor
+from image_builder.sif import write_sif
+from image_builder.squashfs import SquashOptions, pack
+
+ROOTFS_CACHE = Path.home() / ".cache" / "image_builder-tests"
+DRIVER = Path(__file__).parent / "support" / "runtime_driver.py"
+NOBODY = 65534
+BACKENDS = ("kernel", "userns", "extract")
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="runs backends as root and as uid 65534: needs root")
+
+
+@dataclass(frozen=True)
+class Images:
+    dir: Path  # mode 755: uid 65534 reads the images here
+    env_sif: Path
+    inst_sqfs: Path
+    marker: Path  # a host file no run may see
+    digests: dict[str, str]
+
+    def layers(self) -> dict:
+        return {"env_sif": str(self.env_sif), "overlays": [str(self.inst_sqfs)], "env": {"FOO": "bar"},
+                "workdir": "/testbed"}
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="session")
+def images() -> Images:
+    """env.sif from the debootstrap tree (python3 included; packed once, cached), and an
+    instance layer adding /testbed, deleting /etc/issue (a whiteout) and replacing
+    /usr/share/doc (an opaque directory)."""
+    rootfs = debian_rootfs("bookworm", ROOTFS_CACHE)
+    cached = ROOTFS_CACHE / f"runtime-env-{rootfs.name}-{int(rootfs.stat().st_mtime)}.sif"
+    if not cached.exists():
+        write_sif(cached.with_suffix(".tmp"), rootfs, deffile="", labels={}, squash=SquashOptions(), created=0)
+        cached.with_suffix(".tmp").rename(cached)
+    d = Path(tempfile.mkdtemp(prefix="ib-runtime-"))
+    d.chmod(0o755)
+    env_sif = d / "env.sif"
+    try:
+        os.link(cached, env_sif)
+    except OSError:
+        shutil.copyfile(cached, env_sif)
+    env_sif.chmod(0o644)
+    up = d / "inst-src"
+    (up / "etc").mkdir(parents=True)
+    (up / "testbed").mkdir()
+    (up / "testbed" / "hello.txt").write_text("hello from the instance\n")
+    (up / "usr" / "share" / "doc").mkdir(parents=True)
+    (up / "usr" / "share" / "doc" / "note.txt").write_text("only me\n")
+    os.setxattr(up / "usr" / "share" / "doc", "trusted.overlay.opaque", b"y")
+    inst = d / "inst.sqfs"
+    pack(up, inst, SquashOptions(all_root=True), pseudo=["etc/issue c 0 0 0 0 0"])
+    inst.chmod(0o644)
+    marker = d / "host-marker.txt"
+    marker.write_text("host only\n")
+    marker.chmod(0o644)
+    yield Images(d, env_sif, inst, marker, {p.name: _digest(p) for p in (env_sif, inst)})
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@dataclass
+class Result:
+    exit_code: int | None
+    signal: int | None
+    timed_out: bool
+    out_of_memory: bool
+    wall_time: float
+    peak_memory_kb: int | None
+    stdout: bytes
+    stderr: bytes
+    truncated: bool
+
+
+@dataclass
+class Case:
+    """One backend, run as the user it is for."""
+
+    backend: str
+    user: int | None  # None: root
+    state_dir: Path
+    images: Images
+
+    def command(self, *args: str) -> list[str]:
+        cmd = [sys.executable, str(DRIVER), *args]
+        if self.user is not None:
+            cmd = ["setpriv", f"--reuid={self.user}", f"--regid={self.user}", "--clear-groups", *cmd]
+        return cmd
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "HOME": str(self.state_dir), "PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"}
+
+    def scenario(self, requests: list[dict], threads: int = 1, **session) -> dict:
+        return {"layers": self.images.layers(), "backend": self.backend, "state_dir": str(self.state_dir),
+                "session": session, "requests": requests, "threads": threads}
+
+    def req(self, argv: list[str], **kw) -> dict:
+        """A request; extract cannot turn the network off, so its requests ask for it
+        unless the test says otherwise."""
+        kw.setdefault("network", self.backend == "extract")
+        if kw.get("stdin") is not None:
+            kw["stdin"] = base64.b64encode(kw["stdin"]).decode()
+        kw["files"] = {k: base64.b64encode(v).decode() for k, v in kw.get("files", {}).items()}
+        return {"argv": argv, **kw}
+
+    def start(self, scenario: dict) -> subprocess.Popen:
+        proc = subprocess.Popen(self.command("run"), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env=self.env(), cwd="/")
+        proc.stdin.write(json.dumps(scenario).encode())
+        proc.stdin.close()
+        proc.stdin = None  # communicate() must not flush it
+        return proc
+
+    def run_raw(self, *requests: dict, threads: int = 1, **session) -> dict:
+        proc = self.start(self.scenario(list(requests), threads, **session))
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err.decode()[-3000:]
+        return json.loads(out)
+
+    def run(self, *requests: dict, threads: int = 1, **session) -> list[Result]:
+        got = self.run_raw(*requests, threads=threads, **session)
+        assert "results" in got, got
+        out = []
+        for r in got["results"]:
+            r["stdout"], r["stderr"] = base64.b64decode(r["stdout"]), base64.b64decode(r["stderr"])
+            out.append(Result(**r))
+        return out
+
+    def one(self, argv: list[str], **kw) -> Result:
+        session = kw.pop("session", {})
+        return self.run(self.req(argv, **kw), **session)[0]
+
+
+@pytest.fixture(params=BACKENDS)
+def case(request, images, tmp_path_factory) -> Case:
+    backend = request.param
+    user = None if backend == "kernel" else NOBODY
+    state = Path(tempfile.mkdtemp(prefix=f"ib-state-{backend}-"))
+    if user is not None:
+        os.chown(state, user, user)
+    yield Case(backend, user, state, images)
+    shutil.rmtree(state, ignore_errors=True)
+
+
+def py(code: str) -> list[str]:
+    return ["python3", "-c", code]
+
+
+def processes_with(text: str) -> list[int]:
+    """Processes whose command line contains `text` (words as given on the command line)."""
+    needle = text.encode().replace(b" ", b"\0")
+    found = []
+    for pid in os.listdir("/proc"):
+        try:
+            if pid.isdigit() and needle in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def eventually(check, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return check()
+
+
+def our_mounts(*paths: Path) -> list[str]:
+    """Lines of the host's mount table that involve our files: all of ours live in
+    private mount namespaces, so any such line is a leak."""
+    keys = [str(p) for p in paths] + ["squashfuse", "image-builder"]
+    return [ln for ln in Path("/proc/mounts").read_text().splitlines() if any(k in ln for k in keys)]
+
+
+# --- behaviour, on every backend ------------------------------------------------------------
+
+
+def test_exit_codes_output_environment_and_files(case):
+    r = case.run(
+        case.req(["sh", "-c", "echo out; echo err >&2; exit 3"]),
+        case.req(["sh", "-c", 'echo "$FOO $EXTRA $HOME"; pwd; cat hello.txt /work/in.txt'], env={"EXTRA": "x"},
+                 files={"/work/in.txt": b"injected\n"}),
+        case.req(["pwd"], workdir="/etc"),
+        case.req(["no-such-command"]),
+    )
+    assert (r[0].exit_code, r[0].signal, r[0].stdout, r[0].stderr) == (3, None, b"out\n", b"err\n")
+    assert r[1].exit_code == 0
+    assert r[1].stdout == b"bar x /root\n/testbed\nhello from the instance\ninjected\n"
+    assert r[2].stdout == b"/etc\n"
+    assert r[3].exit_code == 127 and b"not found" in r[3].stderr
+
+
+def test_stdin_is_a_regular_file(case):
+    code = "import os, stat, sys; st = os.fstat(0); print(stat.S_ISREG(st.st_mode), st.st_size, sys.stdin.read())"
+    with_input, without = case.run(case.req(py(code), stdin=b"12345"), case.req(py("import sys; print(repr(sys.stdin.read()))")))
+    assert with_input.stdout == b"True 5 12345\n"
+    assert without.stdout == b"''\n"
+
+
+def test_killed_by_a_signal(case):
+    term, abort = case.run(case.req(["sh", "-c", "kill -TERM $$"]), case.req(py("import os; os.abort()")))
+    assert (term.exit_code, term.signal) == (None, signal.SIGTERM)
+    assert (abort.exit_code, abort.signal) == (None, signal.SIGABRT)
+
+
+def test_timeout_kills_the_whole_tree(case):
+    mark = f"{1000 + BACKENDS.index(case.backend)}.25"
+    r = case.one(["sh", "-c", f"(setsid sleep {mark} &); (sleep {mark} &); sleep {mark}"], timeout=1.0)
+    assert r.timed_out and r.exit_code is None
+    assert r.wall_time < 10
+    assert eventually(lambda: not processes_with(f"sleep {mark}")), "a sleeper survived the timeout"
+
+
+def test_memory_limit_has_a_clear_verdict(case):
+    hog, fine = case.run(case.req(py("b = bytearray(600 << 20); print(len(b))"), memory_mb=200),
+                         case.req(py("print(sum(range(10)))"), memory_mb=200))
+    assert hog.out_of_memory and hog.exit_code != 0, hog
+    assert fine.exit_code == 0 and not fine.out_of_memory and fine.stdout == b"45\n"
+
+
+@pytest.fixture
+def listener():
+    """A TCP server on the host's 127.0.0.1."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve():
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                srv.accept()[0].close()
+            except OSError:
+                pass
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    yield srv.getsockname()[1]
+    stop.set()
+    t.join()
+    srv.close()
+
+
+def test_network_is_off_unless_asked(case, listener):
+    code = ("import socket\ntry:\n socket.create_connection(('127.0.0.1', %d), 3).close(); print('connected')\n"
+            "except OSError as e:\n print('refused', e)") % listener
+    if case.backend == "extract":  # proot cannot isolate: it refuses rather than pretend
+        assert "cannot turn the network off" in case.run_raw(case.req(py(code), network=False))["error"]
+        assert case.one(py(code), network=True).stdout == b"connected\n"
+        return
+    off, on = case.run(case.req(py(code)), case.req(py(code), network=True))
+    assert off.stdout.startswith(b"refused"), off
+    assert on.stdout == b"connected\n", on
+
+
+def test_layers_are_read_only_and_the_root_inescapable(case):
+    imgs = case.images
+    code = f"""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+for path in ({str(imgs.env_sif)!r}, {str(imgs.inst_sqfs)!r}):
+    try:
+        open(path, "r+b").write(b"x"); print("wrote", path)
+    except OSError as e:
+        print("no write:", e.strerror)
+print("remount", libc.mount(None, b"/", None, 0x20, None), ctypes.get_errno() != 0)
+os.makedirs("/jail", exist_ok=True)
+top = os.open("/", os.O_RDONLY)
+try:
+    os.chroot("/jail"); os.fchdir(top)
+    for _ in range(30): os.chdir("..")
+    os.chroot(".")
+except OSError as e:
+    print("chroot:", e.strerror)
+print("host visible", os.path.exists({str(imgs.marker)!r}))
+open("/usr/bin/true", "wb").write(b"clobbered")  # the throwaway layer takes it
+"""
+    r = case.one(py(code))
+    assert r.exit_code == 0, r
+    lines = r.stdout.decode().splitlines()
+    assert lines[:2] == ["no write: No such file or directory"] * 2
+    assert lines[2] in ("remount -1 True",)
+    assert lines[-1] == "host visible False"
+    assert {p.name: _digest(p) for p in (imgs.env_sif, imgs.inst_sqfs)} == imgs.digests
+    assert case.one(["true"]).exit_code == 0
+
+
+def test_instance_layer_adds_deletes_and_hides(case):
+    code = ("import os; print(os.path.exists('/etc/issue'), os.path.exists('/etc/debian_version'), "
+            "open('/testbed/hello.txt').read().strip(), sorted(os.listdir('/usr/share/doc')))")
+    assert case.one(py(code)).stdout == b"False True hello from the instance ['note.txt']\n"
+
+
+def test_writes_are_thrown_away_after_each_run(case):
+    if case.backend == "extract":
+        pytest.skip("extract: the writable layer is the session's tree (documented); see the next test")
+    write = case.req(["sh", "-c", "echo new > /testbed/new.txt; echo x >> /etc/debian_version; rm /etc/hostname"])
+    check = case.req(py("import os; print(os.path.exists('/testbed/new.txt'), open('/etc/debian_version').read(), "
+                        "os.path.exists('/etc/hostname'))"))
+    w, c = case.run(write, check)
+    assert w.exit_code == 0
+    assert c.stdout.decode().startswith("False 12.") and c.stdout.decode().rstrip().endswith("True")
+
+
+def test_writes_do_not_outlive_the_session(case):
+    case.one(["sh", "-c", "echo new > /testbed/new.txt"])
+    assert case.one(py("import os; print(os.path.exists('/testbed/new.txt'))")).stdout == b"False\n"
+
+
+def test_tmp_is_private_to_each_run(case):
+    code = ("import sys, time; open('/tmp/x', 'w').write(sys.argv[1]); time.sleep(0.3); "
+            "print(open('/tmp/x').read())")
+    results = case.run(*[case.req(["python3", "-c", code, str(i)]) for i in range(6)], threads=3)
+    assert [r.stdout for r in results] == [f"{i}\n".encode() for i in range(6)]
+
+
+def test_output_is_capped_and_flagged(case):
+    r = case.one(py("import sys; sys.stdout.write('x' * 300000); sys.stderr.write('y' * 10)"), max_output=1000)
+    assert (r.stdout, r.stderr, r.truncated) == (b"x" * 1000, b"y" * 10, True)
+
+
+def test_a_big_job_goes_through(case):
+    code = "#" + "x" * 100_000 + "\nprint('ok')"  # bigger than one message: sent in a memfd
+    assert case.one(py(code), files={"/big.bin": os.urandom(200_000)}).stdout == b"ok\n"
+
+
+def test_a_fork_bomb_fails_instead_of_spreading(case):
+    code = """
+import os, time
+n = 0
+try:
+    for _ in range(300):
+        if os.fork() == 0:
+            time.sleep(30); os._exit(0)
+        n += 1
+except OSError as e:
+    print("stopped", n, e.errno)
+else:
+    print("unbounded", n)
+"""
+    r = case.one(py(code), session={"max_processes": 40}, timeout=60)
+    words = r.stdout.split()
+    assert words[0] == b"stopped" and int(words[1]) < 40, r
+    assert r.wall_time < 20
+
+
+# --- nothing leaks ----------------------------------------------------------------------------
+
+
+def test_no_mounts_or_processes_outlive_a_session(case):
+    before = our_mounts(case.images.dir, case.state_dir)
+    assert case.one(["true"]).exit_code == 0
+    assert eventually(lambda: not processes_with(str(case.state_dir)) and not processes_with(str(case.images.dir)))
+    assert our_mounts(case.images.dir, case.state_dir) == before == []
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGINT])
+def test_a_runner_stopped_mid_run_leaves_nothing(case, how):
+    mark = f"{2000 + 10 * BACKENDS.index(case.backend) + how}.5"
+    proc = case.start(case.scenario([case.req(["sh", "-c", f"(setsid sleep {mark} &); sleep {mark}"],
+                                              timeout=120)]))
+    try:
+        assert eventually(lambda: len(processes_with(f"sleep {mark}")) >= 2, 30), proc.stderr.read1()
+        proc.send_signal(how)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    if case.backend == "extract":  # no namespace takes them down: the next session does
+        case.one(["true"])
+    assert eventually(lambda: not processes_with(f"sleep {mark}")), "a run outlived its runner"
+    assert eventually(lambda: not processes_with(str(case.state_dir)) and not processes_with(str(case.images.dir)))
+    assert our_mounts(case.images.dir, case.state_dir) == []
+
+
+# --- an interactive shell -----------------------------------------------------------------------
+
+
+def test_shell_on_a_terminal(case, tmp_path):
+    persist = case.state_dir / "kept"
+    scenario = case.scenario([])
+    scenario["shell"] = {"argv": ["/bin/bash", "-i"], "persist": str(persist), "network": case.backend == "extract"}
+    spec = case.state_dir / "shell.json"
+    spec.write_text(json.dumps(scenario))
+    spec.chmod(0o644)
+    cmd = case.command("shell", str(spec))
+    pid, master = pty.fork()
+    if pid == 0:  # the child: a session leader with the pty as its terminal
+        os.execvpe(cmd[0], cmd, case.env())
+    os.write(master, b"echo hi-$((40 + 2)); echo kept > /root/kept.txt; tty; exit 7\n")
+    out = b""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if select.select([master], [], [], 1)[0]:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # EIO: the terminal closed
+                break
+            if not chunk:
+                break
+            out += chunk
+    _, status = os.waitpid(pid, 0)
+    os.close(master)
+    assert b"hi-42" in out, out
+    assert os.waitstatus_to_exitcode(status) == 7, out
+    if case.backend != "extract":  # proot shows the host's /dev: the name differs there
+        assert b"/dev/console" in out, out
+    kept = persist / ("root" if case.backend == "extract" else "upper") / "root" / "kept.txt"
+    assert kept.read_text() == "kept\n"
+
+
+# --- without running anything ----------------------------------------------------------------------
+
+
+def test_apptainer_command_maps_the_request():
+    layers = InstanceLayers(Path("/s/env.sif"), (Path("/s/a.sqfs"), Path("/s/b.sqfs")), {"A": "1"}, "/testbed")
+    cmd = apptainer_command(layers, RunRequest(("python3", "-c", "pass"), env={"B": "2"}, memory_mb=512))
+    assert cmd == ["apptainer", "exec", "--containall", "--writable-tmpfs", "--pwd", "/testbed",
+                   "--overlay", "/s/a.sqfs:ro", "--overlay", "/s/b.sqfs:ro", "--net", "--network", "none",
+                   "--memory", "512M", "--env", "A=1", "--env", "B=2", "/s/env.sif", "python3", "-c", "pass"]
+    cmd = apptainer_command(layers, RunRequest(("ls",), workdir="/", network=True, env={"LDFLAGS": "-Wl,-z"}))
+    assert "--net" not in cmd and cmd[cmd.index("--pwd") + 1] == "/"
+    assert cmd[:3] == ["env", "APPTAINERENV_LDFLAGS=-Wl,-z", "apptainer"]  # --env would split at the comma
+
+
+def test_doctor_explains_the_choice():
+    lines = {line.check: line for line in doctor()}
+    assert detect_backend() is Backend.KERNEL
+    assert lines["chosen"].detail == "kernel"
+    assert lines["backend userns"].ok and lines["backend kernel"].ok
+    assert "limits" in lines
