@@ -325,6 +325,252 @@ def gc(store, keep_failed):
     click.echo(f"{len(removed)} removed")
 
 
+runtime_backend_option = click.option("--backend", type=click.Choice(["kernel", "userns", "apptainer", "extract"]),
+                                      help="How to mount and run (default: what `doctor` picks).")
+
+
+def _layers(store: Path, instance: str | None, env_name: str | None):
+    """The runtime's layers for an instance, or for an environment alone (--env)."""
+    from .runtime import InstanceLayers
+    from .store import Store
+    st = Store.open(store)
+    if env_name:
+        env = st.index.environments.get(env_name)
+        if env is None:
+            raise click.BadParameter(f"no environment {env_name!r} in {store}", param_hint="--env")
+        return InstanceLayers(st.root / env.sif, (), env.env, "/"), f"environment {env_name}"
+    r = st.resolve(instance)
+    return InstanceLayers(r.env_sif, r.overlays, r.env, r.workdir), f"instance {r.id}"
+
+
+def _binds(values: tuple[str, ...]):
+    from .runtime import Bind
+    binds = []
+    for v in values:
+        parts = v.split(":")
+        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ("ro", "rw")) or not parts[1].startswith("/"):
+            raise click.BadParameter(f"{v!r}: expected SRC:/DEST[:ro|rw]", param_hint="--bind")
+        binds.append(Bind(Path(parts[0]).resolve(), parts[1], readonly=len(parts) == 2 or parts[2] == "ro"))
+    return tuple(binds)
+
+
+@main.command(context_settings={"allow_interspersed_args": False})
+@click.argument("instance")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@store_option
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), help="Seconds; kills the whole process tree.")
+@click.option("--memory", type=click.IntRange(1), metavar="MB", help="Memory limit.")
+@click.option("--net", is_flag=True, help="Allow network access (off by default).")
+@click.option("--bind", "binds", multiple=True, metavar="SRC:DST[:ro]", help="Show a host path inside.")
+@click.option("-e", "--env", "env_vars", multiple=True, metavar="K=V", help="An environment variable.")
+@click.option("--workdir", help="Default: the instance's.")
+@runtime_backend_option
+@click.option("--json", "as_json", is_flag=True, help="Print a result record; output goes to files.")
+@click.option("--output-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="With --json: where stdout and stderr are written (default: a new temp dir).")
+@_one_line_errors
+def run(instance, command, store, timeout, memory, net, binds, env_vars, workdir, backend, as_json, output_dir):
+    """Run COMMAND in INSTANCE: exit status, stdout and stderr as if it ran here.
+
+    Layers are read-only and each run gets a fresh throwaway layer. Put `--`
+    before COMMAND when it has options of its own.
+    """
+    from .execution import RunRequest
+    from .runtime import Backend, open_session
+    if command and command[0] == "--":  # options stop at INSTANCE, so click passes `--` on
+        command = command[1:]
+    if not command:
+        raise click.UsageError("name the COMMAND to run")
+    layers, _ = _layers(store, instance, None)
+    env = dict(v.split("=", 1) for v in env_vars if "=" in v)
+    stdin = None if sys.stdin.isatty() else sys.stdin.buffer.read()
+    request = RunRequest(tuple(command), stdin=stdin, env=env, workdir=workdir, timeout=timeout, memory_mb=memory,
+                         network=net, max_output=1 << 30)
+    # linger: the next `run` of this instance, a fresh process, finds the layers still mounted
+    with open_session(layers, backend=Backend(backend) if backend else None, binds=_binds(binds),
+                      linger=60.0) as session:
+        result = session.run(request)
+    if as_json:
+        import tempfile
+        out_dir = output_dir or Path(tempfile.mkdtemp(prefix="image-builder-run-"))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "stdout").write_bytes(result.stdout)
+        (out_dir / "stderr").write_bytes(result.stderr)
+        click.echo(json.dumps({"instance": instance, "exit_code": result.exit_code, "signal": result.signal,
+                               "timed_out": result.timed_out, "out_of_memory": result.out_of_memory,
+                               "wall_time": result.wall_time, "peak_memory_kb": result.peak_memory_kb,
+                               "truncated": result.truncated, "stdout": str(out_dir / "stdout"),
+                               "stderr": str(out_dir / "stderr")}, indent=2))
+        return
+    sys.stdout.buffer.write(result.stdout)
+    sys.stderr.buffer.write(result.stderr)
+    sys.stdout.flush()
+    if result.timed_out:
+        click.echo(f"image-builder: timed out after {timeout:g} s", err=True)
+        sys.exit(124)  # as timeout(1) does
+    sys.exit(result.exit_code if result.exit_code is not None else 128 + (result.signal or 0))
+
+
+@main.command()
+@click.argument("instance", required=False)
+@click.option("--env", "env_name", metavar="NAME", help="A shell in an environment, without an instance.")
+@store_option
+@click.option("--persist", type=click.Path(file_okay=False, path_type=Path),
+              help="Keep the writable layer in this directory (and reuse it next time).")
+@click.option("--net", is_flag=True, help="Allow network access.")
+@click.option("--bind", "binds", multiple=True, metavar="SRC:DST[:ro]")
+@runtime_backend_option
+@_one_line_errors
+def shell(instance, env_name, store, persist, net, binds, backend):
+    """An interactive shell in INSTANCE (or --env NAME), over a throwaway writable layer."""
+    from .runtime import Backend, open_session
+    if not instance and not env_name:
+        raise click.UsageError("name an INSTANCE or --env NAME")
+    layers, what = _layers(store, instance, env_name)
+    layer_list = ", ".join(str(p) for p in (layers.env_sif, *layers.overlays))
+    click.echo(f"image-builder shell: {what}; layers (read-only): {layer_list}; writes go to "
+               + (f"{persist} (kept)" if persist else "a throwaway layer") + "; exit to leave", err=True)
+    shell_path = "/bin/bash"
+    with open_session(layers, backend=Backend(backend) if backend else None, binds=_binds(binds)) as session:
+        code = session.shell((shell_path, "-l") if _has(layers, "bin/bash") else ("/bin/sh",), persist=persist,
+                             network=net)
+    sys.exit(code)
+
+
+def _has(layers, path: str) -> bool:
+    """Whether the environment image has `path` (read from its squashfs listing, no mount)."""
+    import subprocess
+    from .sif import partition_offset
+    offset, _ = partition_offset(layers.env_sif)
+    out = subprocess.run(["unsquashfs", "-o", str(offset), "-d", "", "-l", str(layers.env_sif), path],
+                         capture_output=True, text=True).stdout
+    return f"/{path}" in out.split()
+
+
+@main.command()
+@_one_line_errors
+def doctor():
+    """What this host supports for running instances, and why."""
+    from .runtime import doctor as diagnose
+    for line in diagnose():
+        click.echo(f"{'ok ' if line.ok else 'no '} {line.check:<12} {line.detail}")
+
+
+def _grade_options(timeout, memory, strict, access):
+    from .graders import GradeOptions, TestAccess
+    opts = GradeOptions(strict=strict, access=TestAccess(access))
+    from dataclasses import replace
+    if timeout:
+        opts = replace(opts, case_timeout=timeout, stdio_timeout=timeout)
+    if memory:
+        opts = replace(opts, memory_mb=memory)
+    return opts
+
+
+grading_options = [
+    click.option("-j", "--jobs", type=click.IntRange(1, 256), default=2, show_default=True, help="Tasks at once."),
+    click.option("--timeout", type=click.FloatRange(min=0, min_open=True), help="Seconds per case or test."),
+    click.option("--memory", type=click.IntRange(1), metavar="MB", help="Memory per case or test."),
+    click.option("--strict", is_flag=True, help="Assert cases compare plain built-in values only."),
+    click.option("--test-access", "access", type=click.Choice(["open", "read-only", "hidden"]), default="hidden",
+                 show_default=True, help="ImpossibleBench's test-access mode for repo tasks."),
+    runtime_backend_option,
+]
+
+
+def _with(options):
+    def decorate(fn):
+        for option in reversed(options):
+            fn = option(fn)
+        return fn
+    return decorate
+
+
+@main.command()
+@store_option
+@click.option("--tasks", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
+              help="verl parquet, JSONL, or SWE-bench/ImpossibleBench JSONL.")
+@click.option("--predictions", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
+              help="JSONL of {task_id|instance_id, solution|model_patch|response}.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=Path("results.jsonl"),
+              show_default=True, help="Results, one JSON line per task; a rerun resumes it.")
+@_with(grading_options)
+@_one_line_errors
+def grade(store, tasks, predictions, output, jobs, timeout, memory, strict, access, backend):
+    """Grade PREDICTIONS against TASKS, each in its instance of STORE."""
+    from .graders import load_predictions, load_tasks, summarize
+    from .grading import StoreExecutors, grade_to_file, read_results
+    from .runtime import Backend
+    from .store import Store
+    task_list, preds = load_tasks(tasks), load_predictions(predictions)
+    already = len({r.task_id for r in read_results(output)} & {p.task_id for p in preds})
+    if already:
+        click.echo(f"resuming: {already} of {len(preds)} results already in {output}", err=True)
+    with StoreExecutors(Store.open(store), backend=Backend(backend) if backend else None) as executors, \
+            _grade_progress(len(preds) - already) as progress:
+        grade_to_file(task_list, preds, executors, output, options=_grade_options(timeout, memory, strict, access),
+                      workers=jobs, on_result=progress)
+    wanted = {p.task_id for p in preds}
+    summary = summarize(r for r in read_results(output) if r.task_id in wanted)
+    click.echo(f"{summary.total} tasks: {summary.passed} passed ({summary.pass_rate:.1%}), "
+               f"mean score {summary.mean_score:.3f}, timeouts in {summary.tasks_with_timeouts} tasks")
+    for status, count in sorted(summary.by_status.items()):
+        click.echo(f"  {status:<14} {count}")
+    click.echo(f"results: {output}")
+
+
+class _grade_progress:
+    """A bar on a terminal, a line per task elsewhere; called with each result."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self._bar = total, 0, None
+
+    def __enter__(self):
+        if sys.stderr.isatty() and self.total:
+            from rich.progress import Progress
+            self._bar = Progress()
+            self._task = self._bar.add_task("grading", total=self.total)
+            self._bar.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self._bar:
+            self._bar.stop()
+
+    def __call__(self, result) -> None:
+        self.done += 1
+        if self._bar:
+            self._bar.advance(self._task)
+        else:
+            click.echo(f"[{self.done}/{self.total}] {result.task_id}: {result.status.value} "
+                       f"(score {result.score:.2f})", err=True)
+
+
+@main.command()
+@store_option
+@click.option("--tasks", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
+              help="The mutated tasks (and, optionally, their originals).")
+@click.option("--references", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
+              help="Reference solutions or gold patches, as predictions JSONL keyed by original task id.")
+@click.option("-o", "--output-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("qc"),
+              show_default=True, help="Where kept.jsonl and dropped.jsonl go.")
+@_with(grading_options)
+@_one_line_errors
+def qc(store, tasks, references, output_dir, jobs, timeout, memory, strict, access, backend):
+    """ImpossibleBench's quality check: keep a mutation only if the reference and the empty solution both fail."""
+    from .graders import load_predictions, load_tasks, quality_check_all, write_qc
+    from .grading import StoreExecutors
+    from .runtime import Backend
+    from .store import Store
+    refs = {p.task_id: p.solution for p in load_predictions(references) if p.solution is not None}
+    with StoreExecutors(Store.open(store), backend=Backend(backend) if backend else None) as executors:
+        verdicts = quality_check_all(load_tasks(tasks), refs, executors,
+                                     _grade_options(timeout, memory, strict, access), workers=jobs)
+    kept, dropped = write_qc(verdicts, output_dir)
+    click.echo(f"{sum(v.kept for v in verdicts)} kept ({kept}), {sum(not v.kept for v in verdicts)} dropped "
+               f"({dropped})")
+
+
 @main.group(name="index")
 def index_group():
     """Work on a store's index."""

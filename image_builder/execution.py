@@ -14,7 +14,8 @@ from typing import Protocol
 class RunRequest:
     argv: tuple[str, ...]
     stdin: bytes | None = None  # given as a regular file on fd 0, as judges do (os.fstat(0).st_size works)
-    files: dict[str, bytes] = field(default_factory=dict)  # written into the throwaway layer before the run
+    # Written into the throwaway layer before the run; a relative path is relative to the workdir.
+    files: dict[str, bytes] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)  # on top of the image's environment
     workdir: str | None = None  # default: the instance's workdir from the index
     timeout: float | None = None  # seconds of wall time; the whole process tree is killed

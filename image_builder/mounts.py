@@ -1,66 +1,27 @@
-"""The mount side of the runtime: a per-user holder process keeps layers mounted,
-and each run gets a fresh writable root over them.
+"""The kernel side of the runtime: namespaces and mounts through libc, layer mounts
+(a loop device as root, squashfuse_ll rootless), per-run cgroups, and a run's root
+(tmpfs upper and overlay over the layers, /proc, /dev, pivot_root). The holder
+(image_builder.holder) and its inits are built from these.
 
-Why it is built this way (figures from one of these 2-core VMs):
-
-- Mounting is the expensive part (a squashfuse_ll daemon per layer rootless, a
-  loop device as root), so each layer file is mounted once by a holder process
-  and shared by every session using it. A read-only overlay per layer stack
-  (inst:env) stays mounted too, with a warm dentry cache: a run's own overlay
-  finds every path in one warm layer instead of asking each layer (FUSE) again.
-- The holder is pid 1 of its own pid namespace and mounts only in its own mount
-  namespace (a slave of the host's, so later host mounts still show). When it
-  exits or is killed, even with SIGKILL, the kernel kills its FUSE daemons and
-  runs and drops every mount with the namespace: nothing is ever mounted in the
-  host's namespace, so nothing can go stale there.
-- A run's root needs a new process (pid 1 of a new pid namespace, a new mount
-  namespace for its overlay), and fork() of a Python process costs about 1 ms
-  here with its exit. So the holder forks each run's init ahead of time, at a
-  session's request, and hands the session the init's control socket: the init
-  builds the root (tmpfs upper + overlay, /proc, /dev, pivot_root) and drops
-  privileges while the session is busy elsewhere; a run then sends its job to a
-  ready init, which posix_spawns the command (vfork: no second fork), waits and
-  answers. The holder is not on a run's path. Being pid 1, the init takes every
-  process of the run with it when it exits.
-- This module stays lean (no dataclasses, pathlib, json, hashlib): the holder
-  boots on a cold start and is forked per run; those imports cost 30+ ms and
-  3 MB more to copy on every fork here.
-- Each init drops into a nested user namespace mapping just root: the run can
-  mount, unmount or remount nothing (the layers and /proc masks stay put), real
-  root (kernel backend) keeps no capability on the host, and rootless RLIMIT_NPROC
-  counts only the run's own processes (the kernel counts per user namespace; host
-  root it never counts: there a pids cgroup per run does it).
-
-Protocol (SOCK_SEQPACKET, marshal: both ends are the same interpreter, the
-socket name says which; descriptors passed with SCM_RIGHTS):
-  session -> holder  {"op": "open", "layers": [(path, offset, size)...], "binds": [(src, dest, ro)...],
-                      "linger": s, "scratch_mb": n}        answer {"spec": {...}} or {"error": text}
-  session -> holder  {"op": "init", "network": b}          answer {"network": b} + the init's control socket
-  session -> init    {"argv", "env", "workdir", "files": {path: bytes}, "timeout", "memory_mb",
-                      "max_processes"} + stdin, stdout, stderr (a big job: {"payload": n} + a memfd)
-  init -> session    {"exit_code", "signal", "timed_out", "peak_memory_kb", "out_of_memory"} or {"error"}
+This module stays lean (no dataclasses, pathlib, json, hashlib): the holder boots on
+a cold start and is forked per run; those imports cost 30+ ms and 3 MB more to copy
+on every fork here.
 """
 
 from __future__ import annotations
 
-import array
 import ctypes
 import errno
 import fcntl
-import gc
-import marshal
 import os
-import resource
-import select
-import signal
 import socket
 import struct
-import sys
-import time
 
 from .errors import ImageBuilderError
 
-__all__ = ["RootSpec", "RunnerError", "holder_main", "recv_fds", "run_joined", "send_fds"]
+__all__ = ["Cgroups", "RootSpec", "RunnerError", "cgroup_limits", "cgroup_verdict", "dev_template", "enter_root",
+           "fuse_mount", "locate_cgroups", "loop_mount", "loopback_up", "map_root", "mount", "prctl", "setns",
+           "umount", "unshare"]
 
 
 class RunnerError(ImageBuilderError):
@@ -129,7 +90,7 @@ def pivot_root(new_root: str, put_old: str) -> None:
     _ok(_libc.syscall(nr, _b(new_root), _b(put_old)), "pivot_root")
 
 
-def _prctl(option: int, value: int) -> None:
+def prctl(option: int, value: int) -> None:
     _ok(_libc.prctl(option, value, 0, 0, 0), f"prctl({option})")
 
 
@@ -168,39 +129,11 @@ def _bind_readonly(source: str, target: str) -> None:
     mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | keep)
 
 
-def _loopback_up() -> None:
+def loopback_up() -> None:
     """A new network namespace has only lo, and it is down; tests still use 127.0.0.1."""
     siocsifflags, up_loopback_running = 0x8914, 0x1 | 0x8 | 0x40
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         fcntl.ioctl(s, siocsifflags, struct.pack("16sH22x", b"lo", up_loopback_running))
-
-
-# --- messages ------------------------------------------------------------------------------
-
-MAX_MESSAGE = 1 << 16
-INLINE_JOB = 60_000  # bytes of a job sent in its message; a bigger one goes in a memfd
-
-
-def send_fds(sock: socket.socket, msg: dict | bytes, fds: list[int] = ()) -> None:
-    """Send one message (a dict, or one already marshalled) with descriptors."""
-    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
-    sock.sendmsg([msg if isinstance(msg, bytes) else marshal.dumps(msg)], anc)
-
-
-def recv_fds(sock: socket.socket, maxfds: int = 8, flags: int = 0) -> tuple[dict | None, list[int]]:
-    """One message (None at EOF) and its descriptors, received close-on-exec
-    (socket.recv_fds is not: a descriptor leaking into a process forked meanwhile
-    would hold a pipe open)."""
-    data, anc, mflags, _ = sock.recvmsg(MAX_MESSAGE, socket.CMSG_SPACE(maxfds * 4), socket.MSG_CMSG_CLOEXEC | flags)
-    fds = array.array("i")
-    for level, kind, payload in anc:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
-    if mflags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
-        for fd in fds:
-            os.close(fd)
-        raise OSError(errno.EMSGSIZE, "message too long")
-    return (marshal.loads(data) if data else None), list(fds)
 
 
 # --- layer mounts (holder side) ----------------------------------------------------------------
@@ -222,7 +155,7 @@ def _loop_attach(fd: int, backing: int, info: bytes) -> None:
         fcntl.ioctl(fd, _LOOP_SET_STATUS64, info)
 
 
-def _loop_mount(image: str, offset: int, size: int, target: str) -> None:
+def loop_mount(image: str, offset: int, size: int, target: str) -> None:
     """Mount the squashfs at `offset` of `image` read-only through a loop device (root).
     AUTOCLEAR frees the device when the mount goes (or at once, if mounting fails)."""
     info = _LOOP_INFO64.pack(0, 0, 0, offset, size, 0, 0, 0, _LO_FLAGS_READ_ONLY | _LO_FLAGS_AUTOCLEAR,
@@ -249,7 +182,7 @@ def _loop_mount(image: str, offset: int, size: int, target: str) -> None:
             os.close(ctl)
 
 
-def _fuse_mount(image: str, offset: int, target: str) -> None:
+def fuse_mount(image: str, offset: int, target: str) -> None:
     """squashfuse_ll returns once the mount is up; its daemon is then reparented to the
     holder (pid 1 here) and dies with the holder's pid namespace."""
     import subprocess  # only the holder mounts
@@ -263,19 +196,6 @@ def _fuse_mount(image: str, offset: int, target: str) -> None:
     if r.returncode:
         lines = r.stderr.decode(errors="replace").strip().splitlines() or [f"exit status {r.returncode}"]
         raise OSError(errno.EIO, f"squashfuse_ll {image}: {lines[-1]}")
-
-
-class _Mounted:
-    """A mount the holder keeps while referenced, and `linger` seconds after."""
-
-    __slots__ = ("path", "parts", "refs", "idle_since", "linger")
-
-    def __init__(self, path: str, parts: tuple[_Mounted, ...] = ()):
-        self.path = path  # relative to the holder's base directory
-        self.parts = parts  # the layers under a stack's overlay
-        self.refs = 0
-        self.idle_since = 0.0
-        self.linger = 0.0
 
 
 # --- cgroups ---------------------------------------------------------------------------------------
@@ -329,7 +249,7 @@ def _rmdir_cgroups(path: str) -> None:
         pass
 
 
-class _Cgroups:
+class Cgroups:
     """image-builder-TOKEN/rN, one cgroup per run (joined by its init before the run is
     asked for: joining costs an RCU grace period), and on v2 holder/ for the holder."""
 
@@ -368,7 +288,7 @@ class _Cgroups:
                 self.trash.append(p)
 
 
-def _cgroup_limits(cg: int, memory_mb: int | None, max_processes: int) -> bool:
+def cgroup_limits(cg: int, memory_mb: int | None, max_processes: int) -> bool:
     """Set a run's limits in its cgroup; False if memory is not limited there (v1 pids)."""
     _write("pids.max", str(max_processes), cg)
     if not _read("memory.max", cg):
@@ -379,7 +299,7 @@ def _cgroup_limits(cg: int, memory_mb: int | None, max_processes: int) -> bool:
     return True
 
 
-def _cgroup_verdict(cg: int) -> tuple[bool | None, int | None]:
+def cgroup_verdict(cg: int) -> tuple[bool | None, int | None]:
     """(killed for memory, peak memory in KB) of a run's cgroup; None where unknown (v1)."""
     events = _read("memory.events", cg)
     if not events:
@@ -454,7 +374,7 @@ def enter_root(spec: RootSpec) -> int | None:
         setns(spec.netns, CLONE_NEWNET)
         os.close(spec.netns)
     elif isolated:
-        _loopback_up()
+        loopback_up()
     os.chdir(spec.base)
     size = f",size={spec.scratch_mb}m" if spec.scratch_mb else ""
     mount("scratch", "s", "tmpfs", MS_NOSUID | MS_NODEV, "mode=755" + size)
@@ -513,432 +433,8 @@ def enter_root(spec: RootSpec) -> int | None:
     return cgroup
 
 
-# --- running one command (init side) ---------------------------------------------------------
 
-DEFAULT_MAX_PROCESSES = 1024
-IDLE_INIT = 60.0  # seconds a ready init waits for its job before it leaves
-# Signals Python changes at start-up; the command gets the defaults back.
-_RESET_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGCHLD, signal.SIGTERM, signal.SIGQUIT,
-                  signal.SIGHUP, signal.SIGTTOU, signal.SIGTTIN, signal.SIGTSTP)
-
-
-def _which(name: str, path: str) -> str:
-    if "/" in name:
-        return name
-    for d in path.split(":"):
-        candidate = f"{d or '.'}/{name}"
-        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
-            return candidate
-    raise FileNotFoundError(errno.ENOENT, "command not found", name)
-
-
-def _write_files(files: dict[str, bytes]) -> None:
-    """Into the run's writable layer, after pivot_root: the image's symlinks lead nowhere
-    but inside, so they are followed as the command would."""
-    for path, data in files.items():
-        if not path.startswith("/"):
-            raise RunnerError(f"file path {path!r} must be absolute")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
-
-
-def _spawn(job: dict, stdio: tuple[int, int, int], session: bool, cgroup: int | None) -> int:
-    """Start the command with posix_spawn (vfork: no 1 ms fork of this process). Limits
-    set on this init are inherited; the init itself needs little once it waits."""
-    try:
-        os.chdir(job["workdir"])
-    except OSError as e:
-        raise RunnerError(f"workdir {job['workdir']}: {e.strerror}; pass a directory that exists in the "
-                          "instance") from None
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    memory_in_cgroup = cgroup is not None and _cgroup_limits(cgroup, job["memory_mb"], job["max_processes"])
-    if cgroup is None:  # counted per user namespace, so per run (but never for host root)
-        resource.setrlimit(resource.RLIMIT_NPROC, (job["max_processes"],) * 2)
-    if job["memory_mb"] and not memory_in_cgroup:
-        resource.setrlimit(resource.RLIMIT_AS, (job["memory_mb"] << 20,) * 2)
-    return os.posix_spawn(_which(job["argv"][0], job["env"].get("PATH", "")), job["argv"], job["env"],
-                          file_actions=[(os.POSIX_SPAWN_DUP2, fd, n) for n, fd in enumerate(stdio)],
-                          setsid=session, setsigdef=_RESET_SIGNALS, setsigmask=())
-
-
-def run_job(job: dict, stdio: tuple[int, int, int], *, client: socket.socket | None, cgroup: int | None,
-            session: bool = True) -> dict | None:
-    """As pid 1 of the run: spawn the command and wait for it; on timeout (or when the
-    client goes away: then there is nobody to tell, None) kill every process here."""
-    _write_files(job["files"])
-    try:
-        pid = _spawn(job, stdio, session, cgroup)
-    except OSError as e:
-        what = "command not found" if e.errno == errno.ENOENT else e.strerror
-        os.write(stdio[2], f"image-builder: cannot run {job['argv'][0]!r}: {what}\n".encode())
-        return {"exit_code": 127 if e.errno == errno.ENOENT else 126, "signal": None, "timed_out": False,
-                "peak_memory_kb": None, "out_of_memory": False}
-    for fd in stdio:  # the command has them: their EOF must not wait for this init
-        if fd > 2:
-            os.close(fd)
-    pidfd = os.pidfd_open(pid)
-    poller = select.poll()
-    poller.register(pidfd, select.POLLIN)
-    if client is not None:
-        poller.register(client, select.POLLIN)  # the client sends nothing more: readable means gone
-    deadline = None if job["timeout"] is None else time.monotonic() + job["timeout"]
-    timed_out = False
-    while True:
-        wait = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000) + 1)
-        events = poller.poll(wait)
-        if any(fd == pidfd for fd, _ in events):
-            break
-        if events:
-            os.kill(-1, signal.SIGKILL)
-            return None
-        if deadline is not None and time.monotonic() >= deadline:
-            # From pid 1, kill(-1) reaches every process of this pid namespace,
-            # double forks and daemons included.
-            os.kill(-1, signal.SIGKILL)
-            timed_out = True
-            break
-    _, status, usage = os.wait4(pid, 0)
-    oom, peak = _cgroup_verdict(cgroup) if cgroup is not None else (None, None)
-    return {"exit_code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
-            "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
-            "timed_out": timed_out, "peak_memory_kb": peak or usage.ru_maxrss, "out_of_memory": oom}
-
-
-def _init_main(spec: RootSpec, ctl: socket.socket) -> None:
-    """An init forked ahead of time: build the root, wait for one job from the session
-    holding the other end of `ctl`, run it, answer there. A setup error is kept and
-    given to that session; EOF before a job means the init was not needed."""
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    error = None
-    cgroup = None
-    try:
-        cgroup = enter_root(spec)
-    except (OSError, RunnerError) as e:
-        error = f"cannot build the instance's root: {e}"
-    # The command runs as the same uid as this init: it could ptrace the init (or read
-    # /proc/1/fd) and forge the answer. Non-dumpable, the init can only be traced with
-    # CAP_SYS_PTRACE in the namespace its memory was made in: the host's. (Not before
-    # enter_root: its own /proc files become root's, uid_map included.)
-    _prctl(PR_SET_DUMPABLE, 0)
-    if not select.select([ctl], [], [], IDLE_INIT)[0]:
-        return  # a spare nobody used: a session that is kept open holds nothing for long
-    job, fds = recv_fds(ctl)
-    if job is None:
-        return
-    if "payload" in job:
-        job = marshal.loads(os.pread(fds[3], job["payload"], 0))
-        os.close(fds[3])
-    if error is None:
-        try:
-            out = run_job(job, (fds[0], fds[1], fds[2]), client=ctl, cgroup=cgroup)
-            if out is not None:
-                send_fds(ctl, out)
-            return
-        except (OSError, RunnerError) as e:
-            error = str(e) if isinstance(e, RunnerError) else f"cannot start {job['argv'][0]!r}: {e}"
-    send_fds(ctl, {"error": error})
-
-
-# --- the holder -----------------------------------------------------------------------------------
-
-_STARTUP_GRACE = 10.0  # seconds a new holder waits for its first client
-_NETNS_BATCH = 4
-
-
-class _Init:
-    __slots__ = ("cgroup", "netns")
-
-    def __init__(self, cgroup: str | None, netns: int | None):
-        self.cgroup = cgroup
-        self.netns = netns
-
-
-class _Session:
-    __slots__ = ("stack", "spec", "linger")
-
-    def __init__(self, stack: _Mounted, spec: dict, linger: float):
-        self.stack = stack
-        self.spec = spec  # RootSpec fields but network, cgroup and netns
-        self.linger = linger
-
-
-class Holder:
-    """Mounts layers for sessions and forks inits for them (see the module docstring)."""
-
-    def __init__(self, kernel: bool, base: str, cgroups: _Cgroups | None):
-        self.kernel = kernel
-        self.base = base
-        self.cgroups = cgroups
-        self.layers: dict[tuple, _Mounted] = {}
-        self.stacks: dict[tuple, _Mounted] = {}
-        self.sessions: dict[socket.socket, _Session] = {}
-        self.inits: dict[int, _Init] = {}
-        self.free_netns: list[int] = []
-        self.counter = 0
-        self.pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self.poller = select.poll()
-        self.conns: dict[int, socket.socket] = {}
-
-    # -- mounts --
-
-    def _dir(self, kind: str) -> str:
-        self.counter += 1
-        path = f"{kind}/{self.counter}"
-        os.mkdir(path)
-        return path
-
-    def _layer(self, path: str, offset: int, size: int) -> _Mounted:
-        st = os.stat(path)
-        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, offset)
-        layer = self.layers.get(key)
-        if layer is None:
-            target = self._dir("l")
-            try:
-                if self.kernel:
-                    _loop_mount(path, offset, size, target)
-                else:
-                    _fuse_mount(path, offset, target)
-            except OSError:
-                os.rmdir(target)
-                raise
-            layer = self.layers[key] = _Mounted(target)
-        return layer
-
-    def _stack(self, layers: list[_Mounted]) -> _Mounted:
-        key = tuple(x.path for x in layers)
-        stack = self.stacks.get(key)
-        if stack is None:
-            target = self._dir("o")
-            # A read-only overlay lists the top layer first; one layer needs an empty second.
-            lower = ":".join(x.path for x in reversed(layers)) + (":e" if len(layers) == 1 else "")
-            try:
-                mount("layers", target, "overlay", MS_RDONLY | MS_NOSUID | MS_NODEV,
-                      f"lowerdir={lower}" + ("" if self.kernel else ",userxattr"))
-            except OSError:
-                os.rmdir(target)
-                raise
-            stack = self.stacks[key] = _Mounted(target, tuple(layers))
-            for x in layers:
-                x.refs += 1
-        return stack
-
-    @staticmethod
-    def _release(m: _Mounted, linger: float) -> None:
-        m.refs -= 1
-        if m.refs == 0:
-            m.idle_since, m.linger = time.monotonic(), linger
-
-    def _sweep(self) -> float | None:
-        """Unmount what has been idle for its linger time; seconds until the next is due."""
-        due = None
-        for table in (self.stacks, self.layers):  # stacks first: they hold layers
-            for key, m in list(table.items()):
-                left = m.idle_since + m.linger - time.monotonic()
-                if m.refs:
-                    continue
-                if left > 0:
-                    due = left if due is None else min(due, left)
-                    continue
-                umount(m.path)
-                os.rmdir(m.path)
-                del table[key]
-                for part in m.parts:
-                    self._release(part, m.linger)
-        if self.cgroups and self.cgroups.trash:
-            self.cgroups.remove()
-            due = 1.0 if due is None else min(due, 1.0)
-        return due
-
-    # -- sessions and inits --
-
-    def _open(self, conn: socket.socket, msg: dict) -> None:
-        layers = [self._layer(*x) for x in msg["layers"]]
-        stack = self._stack(layers)
-        stack.refs += 1
-        spec = {"base": self.base, "lower": stack.path, "userxattr": not self.kernel,
-                "binds": tuple(tuple(b) for b in msg["binds"]), "scratch_mb": msg["scratch_mb"]}
-        self.sessions[conn] = _Session(stack, spec, msg["linger"])
-        send_fds(conn, {"spec": spec})
-
-    def _netns(self) -> int:
-        """An isolated network namespace with lo up. Making one costs about 2.5 ms of CPU
-        here (and more to tear down), so each is reused, by one run after another: a run
-        holds it alone, and what it leaves behind dies with its processes."""
-        if not self.free_netns:
-            # A child makes them: without privileges on the host's namespace, a process
-            # that leaves it cannot come back.
-            parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            pid = os.fork()
-            if pid == 0:
-                try:
-                    for _ in range(_NETNS_BATCH):
-                        unshare(CLONE_NEWNET)
-                        _loopback_up()
-                        fd = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-                        send_fds(child, {}, [fd])
-                        os.close(fd)
-                finally:
-                    os._exit(0)
-            child.close()
-            try:
-                while len(self.free_netns) < _NETNS_BATCH:
-                    msg, fds = recv_fds(parent, 1)
-                    if msg is None:
-                        break
-                    self.free_netns.extend(fds)
-            finally:
-                parent.close()
-                os.waitpid(pid, 0)
-            if not self.free_netns:
-                raise RunnerError("cannot make a network namespace; see holder.log in the state dir")
-        return self.free_netns.pop()
-
-    def _fork_init(self, sess: _Session, network: bool) -> socket.socket:
-        """A new init for `sess`; returns the session's end of its control socket."""
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        cgroup = self.cgroups.new() if self.cgroups else None
-        netns = None if network else self._netns()
-        spec = RootSpec(network=network, cgroup=cgroup, netns=netns, **sess.spec)
-        unshare(CLONE_NEWPID)  # for the next child only: undone right after the fork
-        try:
-            pid = os.fork()
-        except BaseException:
-            setns(self.pidns, CLONE_NEWPID)
-            raise
-        if pid == 0:
-            try:
-                self._close_all_but(parent)
-                _init_main(spec, child)
-            except BaseException as e:  # nobody to report to but the log
-                print(f"image-builder init: {type(e).__name__}: {e}", file=sys.stderr)
-            finally:
-                os._exit(0)
-        setns(self.pidns, CLONE_NEWPID)
-        child.close()
-        self.inits[pid] = _Init(cgroup, netns)
-        return parent
-
-    def _close_all_but(self, session_end: socket.socket) -> None:
-        """In a new init: close the holder's descriptors (and the session's end of its own
-        control socket), so that no EOF anyone waits for is held up by this process."""
-        gc.disable()  # no finaliser may close a descriptor number that gets reused
-        signal.set_wakeup_fd(-1)
-        for s in (self.listener, session_end, *self.conns.values()):
-            s.close()
-        for fd in (self.wake_r, self.wake_w, self.pidns, *self.free_netns):
-            os.close(fd)
-        for init in self.inits.values():
-            if init.netns is not None:
-                os.close(init.netns)
-
-    def _reap(self) -> None:
-        while True:
-            try:
-                pid, _status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-            init = self.inits.pop(pid, None)
-            if init is None:
-                continue  # a FUSE daemon that ended with its mount
-            if self.cgroups and init.cgroup:
-                self.cgroups.remove(init.cgroup)
-            if init.netns is not None:  # every process that used it is gone: reuse it
-                self.free_netns.append(init.netns)
-
-    # -- the loop --
-
-    def _on_message(self, conn: socket.socket) -> None:
-        try:
-            msg, fds = recv_fds(conn)
-        except (OSError, ValueError, EOFError):
-            msg, fds = None, []
-        for fd in fds:  # sessions send none
-            os.close(fd)
-        sess = self.sessions.get(conn)
-        try:
-            if msg is None:
-                raise EOFError
-            if sess is None and msg.get("op") == "open":
-                self._open(conn, msg)
-            elif sess is not None and msg.get("op") == "init":
-                network = bool(msg["network"])
-                try:
-                    ctl = self._fork_init(sess, network)
-                except (OSError, RunnerError) as e:  # answered in order, like the others
-                    send_fds(conn, {"network": network, "error": str(e)})
-                    return
-                try:
-                    send_fds(conn, {"network": network}, [ctl.fileno()])
-                finally:
-                    ctl.close()
-            else:
-                raise ValueError(f"unexpected message {str(msg)[:80]}")
-            return
-        except (OSError, RunnerError, ValueError, KeyError, TypeError) as e:
-            try:
-                send_fds(conn, {"error": str(e)})
-            except OSError:
-                pass
-        except EOFError:
-            pass
-        if sess is not None:  # a session ends with its connection
-            del self.sessions[conn]
-            self._release(sess.stack, sess.linger)
-        self.poller.unregister(conn)
-        del self.conns[conn.fileno()]
-        conn.close()
-
-    def _accept(self) -> None:
-        conn, _ = self.listener.accept()
-        uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
-        if uid != os.getuid():
-            conn.close()
-            return
-        self.conns[conn.fileno()] = conn
-        self.poller.register(conn, select.POLLIN)
-
-    def serve(self) -> None:
-        """Until nothing is held: no connection, init or lingering mount."""
-        self.poller.register(self.listener, select.POLLIN)
-        self.poller.register(self.wake_r, select.POLLIN)
-        grace = time.monotonic() + _STARTUP_GRACE
-        while True:
-            due = self._sweep()
-            if self.conns or self.inits or self.layers or self.stacks:
-                grace = 0.0  # after the first client: leave as soon as idle
-            else:
-                left = grace - time.monotonic()
-                if left <= 0:
-                    if self.cgroups:
-                        self.cgroups.close()
-                    return
-                due = left if due is None else min(due, left)
-            for fd, _ in self.poller.poll(None if due is None else int(due * 1000) + 1):
-                if fd == self.listener.fileno():
-                    self._accept()
-                elif fd == self.wake_r:
-                    try:
-                        while os.read(self.wake_r, 512):
-                            pass
-                    except BlockingIOError:
-                        pass
-                    self._reap()
-                elif fd in self.conns:
-                    self._on_message(self.conns[fd])
-
-
-def _dev_template(path: str) -> None:
+def dev_template(path: str) -> None:
     """A read-only /dev every run binds: the harmless host nodes, and mount points for
     a run's own devpts and shm (block devices never appear)."""
     mount("dev", path, "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=755,size=64k")
@@ -953,104 +449,3 @@ def _dev_template(path: str) -> None:
         os.symlink(target, f"{path}/{name}")
     mount(None, path, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NOEXEC, "mode=755,size=64k")
 
-
-def holder_main(argv: list[str]) -> None:
-    """`holder_main(["kernel"|"userns", STATE_DIR, SOCKET_NAME])`: become the holder. The
-    first line on stdout is "ready", "busy" (another holder has the name) or "error: ..."."""
-    kernel, state_dir, name = argv[0] == "kernel", argv[1], b"\0" + argv[2].encode()
-    report = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(os.open(os.devnull, os.O_RDWR), 1)
-    try:
-        found = locate_cgroups()
-        if kernel:
-            unshare(CLONE_NEWNS)
-        else:
-            uid, gid = os.getuid(), os.getgid()
-            unshare(CLONE_NEWUSER | CLONE_NEWNS)
-            map_root(uid, gid)
-        mount(None, "/", None, MS_REC | MS_SLAVE)
-        unshare(CLONE_NEWPID)
-        if os.fork():
-            os._exit(0)  # the holder is the child: pid 1 of the new pid namespace
-        base = os.path.join(state_dir, "mnt")
-        os.makedirs(base, exist_ok=True)
-        mount("image-builder", base, "tmpfs", MS_NOSUID | MS_NODEV, "mode=700")
-        os.chdir(base)
-        for d in ("l", "o", "s", "e", "dev"):
-            os.mkdir(d)
-        _dev_template("dev")
-        cgroups = None
-        if found:
-            try:
-                cgroups = _Cgroups(*found)
-            except OSError as e:
-                print(f"image-builder holder: no cgroups ({e}); rlimits only", file=sys.stderr)
-        holder = Holder(kernel, base, cgroups)
-        try:
-            holder.listener.bind(name)
-        except OSError as e:
-            if e.errno != errno.EADDRINUSE:
-                raise
-            report.write("busy\n")
-            return
-        holder.listener.listen(128)
-        signal.signal(signal.SIGCHLD, lambda *_: None)
-        signal.set_wakeup_fd(holder.wake_w)
-    except (OSError, RunnerError) as e:
-        report.write(f"error: {e}\n")
-        return
-    report.write("ready\n")
-    report.close()
-    gc.freeze()  # what the holder has now is shared with every init: keep its pages uncopied
-    holder.serve()
-
-
-# --- an interactive command in the caller's session (client side) ----------------------------------
-
-
-def run_joined(holder_pid: int, kernel: bool, spec: RootSpec, job: dict) -> int:
-    """Run `job` as a child of this process in the holder's namespaces, on this process's
-    stdin/stdout/stderr: a shell keeps the caller's terminal as its controlling terminal
-    (same session), so job control and Ctrl-C work as usual. Returns the exit status
-    (128 + N for signal N)."""
-    names = ("mnt",) if kernel else ("user", "mnt")  # the user namespace first: it grants the rest
-    ns = [os.open(f"/proc/{holder_pid}/ns/{n}", os.O_RDONLY | os.O_CLOEXEC) for n in names]
-    pid = os.fork()
-    if pid == 0:
-        code = 125
-        try:
-            _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-            for fd in ns:
-                setns(fd)
-            unshare(CLONE_NEWPID)
-            inner = os.fork()
-            if inner == 0:
-                try:
-                    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-                    out = run_job(job, (0, 1, 2), client=None, cgroup=enter_root(spec), session=False)
-                    code = out["exit_code"] if out["exit_code"] is not None else 128 + out["signal"]
-                except BaseException as e:
-                    print(f"image-builder: {e}", file=sys.stderr)
-                finally:
-                    os._exit(code)
-            code = os.waitstatus_to_exitcode(os.waitpid(inner, 0)[1])
-            code = code if code >= 0 else 128 - code
-        except BaseException as e:
-            print(f"image-builder: cannot enter the instance: {e}", file=sys.stderr)
-        finally:
-            os._exit(code)
-    for fd in ns:
-        os.close(fd)
-    # Like system(3): while the command has the terminal, its signals are not ours.
-    old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGQUIT, signal.SIGTTOU)}
-    try:
-        status = os.waitpid(pid, 0)[1]
-        if os.isatty(0):  # an interactive shell left its own process group in the foreground
-            try:
-                os.tcsetpgrp(0, os.getpgrp())
-            except OSError:
-                pass
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-    return os.waitstatus_to_exitcode(status)

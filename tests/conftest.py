@@ -197,6 +197,20 @@ def marshmallow_store(registries, debian_base, debian_bullseye_base, tmp_path_fa
     return work / "store"
 
 
+@pytest.fixture(scope="session")
+def mbpp_store(registries, debian_base, public_dir) -> Path:
+    """index/mbpp.yaml built for real: one Python environment, the 40 sample tasks as instances."""
+    from image_builder.catalog import load
+    from image_builder.envbuild import BuildOptions
+    from image_builder.storebuild import StoreBuildOptions, build_store
+    catalog = load(ROOT / "index/mbpp.yaml", bases={"python": debian_base})
+    build = BuildOptions(store=public_dir / "mbpp-store", cache=BlobCache(public_dir / "mbpp-cache"),
+                         registry=RegistryOptions(ca_cert=registries.tls.cert))
+    summary = build_store(catalog, StoreBuildOptions(build, jobs=2))
+    assert not summary.failed, [(f.message, f.tail) for f in summary.failed]
+    return public_dir / "mbpp-store"
+
+
 @pytest.fixture
 def cache(tmp_path) -> BlobCache:
     return BlobCache(tmp_path / "cache")

@@ -76,6 +76,13 @@ class GradeResult:
     def to_dict(self) -> dict:
         return {**asdict(self), "passed": self.passed}
 
+    @classmethod
+    def from_dict(cls, d: dict) -> GradeResult:
+        """A result read back from a results file (to resume or summarise a run)."""
+        return cls(d["task_id"], d["kind"], TaskStatus(d["status"]), d.get("score", 0.0), d.get("reason", ""),
+                   [CaseResult(**{**c, "status": CaseStatus(c["status"])}) for c in d.get("cases", [])],
+                   RepoReport(**d["repo"]) if d.get("repo") else None)
+
 
 def from_cases(task_id: str, kind: str, cases: list[CaseResult], label: str) -> GradeResult:
     """A task graded case by case: the fraction passed, and the first miss as the reason."""

@@ -1,0 +1,93 @@
+"""Grading against a store: every task runs in its own instance, through the runtime.
+
+A task maps to the instance built for it (ImpossibleBench variants to their
+original task's instance); each instance is mounted once and its session
+reused for every run, so thousands of short runs pay for the mounts once.
+Results stream to a JSONL file as they finish, and a rerun skips what the file
+already holds, so an interrupted grading run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from .execution import Executor
+from .graders import GradeOptions, GradeResult, Prediction, Task, grade_prediction
+from .runtime import Backend, InstanceLayers, Session, open_session
+from .store import Store
+
+
+class StoreExecutors:
+    """`executor_for(task)` backed by a store: one warm session per instance, shared by threads."""
+
+    def __init__(self, store: Store, *, backend: Backend | None = None):
+        self.store, self.backend = store, backend
+        self._sessions: dict[str, Session] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, task: Task) -> Executor:
+        return self.for_instance(getattr(task, "original_id", task.task_id))
+
+    def for_instance(self, instance_id: str) -> Executor:
+        with self._lock:
+            if instance_id not in self._sessions:
+                r = self.store.resolve(instance_id)
+                self._sessions[instance_id] = open_session(InstanceLayers(r.env_sif, r.overlays, r.env, r.workdir),
+                                                           backend=self.backend)
+            return self._sessions[instance_id]
+
+    def close(self) -> None:
+        with self._lock:
+            for session in self._sessions.values():
+                session.close()
+            self._sessions.clear()
+
+    def __enter__(self) -> StoreExecutors:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_results(output: Path) -> list[GradeResult]:
+    """The results a file holds (a line cut short by a crash is skipped)."""
+    out = []
+    for line in output.read_text().splitlines() if output.exists() else ():
+        try:
+            out.append(GradeResult.from_dict(json.loads(line)))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def grade_to_file(tasks: Iterable[Task], predictions: list[Prediction], executor_for: Callable[[Task], Executor],
+                  output: Path, *, options: GradeOptions = GradeOptions(), workers: int = 2,
+                  on_result: Callable[[GradeResult], None] = lambda r: None) -> int:
+    """Grade what `output` does not hold yet, appending each result as it finishes; returns how many ran."""
+    by_id = {t.task_id: t for t in tasks}
+    done = {r.task_id for r in read_results(output)}
+    todo = [p for p in predictions if p.task_id not in done]
+    output.parent.mkdir(parents=True, exist_ok=True)
+    _drop_partial_line(output)
+    lock = threading.Lock()
+    with open(output, "a") as out, ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        def one(prediction: Prediction) -> None:
+            result = grade_prediction(prediction, by_id, executor_for, options)
+            with lock:
+                out.write(json.dumps(result.to_dict()) + "\n")
+                out.flush()
+                on_result(result)
+        list(pool.map(one, todo))
+    return len(todo)
+
+
+def _drop_partial_line(output: Path) -> None:
+    """A run killed mid-write leaves half a line: cut it so appends start clean."""
+    if output.exists():
+        data = output.read_bytes()
+        if data and not data.endswith(b"\n"):
+            output.write_bytes(data[: data.rfind(b"\n") + 1])

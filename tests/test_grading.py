@@ -1,0 +1,143 @@
+"""Grading through the real store and runtime: the CLI, resume, qc, verl rewards, SWE-bench."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from image_builder import rewards
+from tests.conftest import ROOT, run_cli
+
+DATA = ROOT / "index/data"
+
+
+def grade(store: Path, tasks: Path, predictions: Path, out: Path, *extra: str):
+    return run_cli("grade", "--store", str(store), "--tasks", str(tasks), "--predictions", str(predictions),
+                   "-o", str(out), *extra)
+
+
+def results(path: Path) -> dict[str, dict]:
+    return {r["task_id"]: r for r in map(json.loads, path.read_text().splitlines())}
+
+
+def test_mbpp_reference_solutions_pass_in_the_sandbox(mbpp_store, tmp_path):
+    out = tmp_path / "ref.jsonl"
+    r = grade(mbpp_store, DATA / "mbpp_train_40.parquet", DATA / "mbpp_train_40_solutions.jsonl", out, "-j", "2")
+    assert r.returncode == 0, r.stderr
+    got = results(out)
+    assert len(got) == 40 and all(x["status"] == "passed" and x["score"] == 1.0 for x in got.values()), \
+        [x for x in got.values() if x["status"] != "passed"][:2]
+    assert "40 tasks: 40 passed (100.0%)" in r.stdout
+
+
+def test_wrong_solutions_score_zero_and_resume(mbpp_store, tmp_path):
+    wrong = tmp_path / "wrong.jsonl"
+    solutions = [json.loads(line) for line in (DATA / "mbpp_train_40_solutions.jsonl").read_text().splitlines()]
+    wrong.write_text("".join(json.dumps({"task_id": s["task_id"], "solution": "def nothing():\n    pass\n"}) + "\n"
+                             for s in solutions))
+    out = tmp_path / "wrong-results.jsonl"
+    first = grade(mbpp_store, DATA / "mbpp_train_40.parquet", wrong, out)
+    assert first.returncode == 0, first.stderr
+    lines = out.read_text().splitlines()
+    out.write_text("\n".join(lines[:10]) + "\n" + lines[10][:25])  # as if killed mid-write
+    again = grade(mbpp_store, DATA / "mbpp_train_40.parquet", wrong, out)
+    assert "resuming: 10 of 40 results" in again.stderr
+    got = results(out)
+    assert len(got) == 40 and all(x["score"] == 0.0 for x in got.values())
+
+
+def test_impossible_variants_fail_and_qc_keeps_them(mbpp_store, tmp_path):
+    refs = DATA / "mbpp_train_40_solutions.jsonl"
+    variants = tmp_path / "variant-preds.jsonl"
+    impossible = [json.loads(line) for line in (DATA / "mbpp_train_40_impossible.jsonl").read_text().splitlines()]
+    by_task = {str(r["task_id"]): r["solution"] for r in map(json.loads, refs.read_text().splitlines())}
+    variants.write_text("".join(json.dumps({"task_id": f"{v['task_id']}__{v['impossible_type']}",
+                                            "solution": by_task[str(v["task_id"])]}) + "\n" for v in impossible))
+    out = tmp_path / "impossible.jsonl"
+    r = grade(mbpp_store, DATA / "mbpp_train_40_impossible.jsonl", variants, out)
+    assert r.returncode == 0, r.stderr
+    got = results(out)
+    assert len(got) == 78 and all(x["score"] < 1.0 for x in got.values())
+    q = run_cli("qc", "--store", str(mbpp_store), "--tasks", str(DATA / "mbpp_train_40_impossible.jsonl"),
+                "--references", str(refs), "-o", str(tmp_path / "qc"))
+    assert q.returncode == 0, q.stderr
+    assert q.stdout.startswith("78 kept")
+    assert (tmp_path / "qc/dropped.jsonl").read_text() == ""
+
+
+def test_run_cli_behaves_like_a_local_command(mbpp_store, tmp_path):
+    store = str(mbpp_store)
+    r = run_cli("run", "--store", store, "512", "--", "python3", "-c", "import sys; print(sys.stdin.read()[::-1])",
+                input="olleh")
+    assert r.returncode == 0 and r.stdout == "hello\n", r.stderr
+    assert run_cli("run", "--store", store, "512", "--", "sh", "-c", "echo err >&2; exit 3").returncode == 3
+    tests = run_cli("run", "--store", store, "512", "--", "cat", "/task/tests.json")
+    assert "assert_case" in json.loads(tests.stdout), "the task's tests are in its read-only layer"
+    run_cli("run", "--store", store, "512", "--", "sh", "-c", "echo x > /task/tests.json")
+    after = run_cli("run", "--store", store, "512", "--", "cat", "/task/tests.json")
+    assert after.stdout == tests.stdout, "a run's writes never reach the next run"
+    timed = run_cli("run", "--store", store, "--timeout", "1", "512", "--", "sleep", "30")
+    assert timed.returncode == 124 and "timed out" in timed.stderr
+    record = json.loads(run_cli("run", "--store", store, "--json", "--output-dir", str(tmp_path / "o"), "512", "--",
+                                "echo", "hi").stdout)
+    assert record["exit_code"] == 0 and Path(record["stdout"]).read_text() == "hi\n"
+    unknown = run_cli("run", "--store", store, "no-such-task", "--", "true")
+    assert unknown.returncode == 1 and "no instance 'no-such-task'" in unknown.stderr
+
+
+def test_verl_reward_function_grades_in_the_store(mbpp_store, monkeypatch):
+    monkeypatch.setenv(rewards.STORE_ENV, str(mbpp_store))
+    monkeypatch.setattr(rewards, "_store_executors", None)
+    rewards.set_executor(None)
+    solution = next(json.loads(line)["solution"] for line in (DATA / "mbpp_train_40_solutions.jsonl").read_text()
+                    .splitlines() if str(json.loads(line)["task_id"]) == "512")
+    import pyarrow.parquet as pq
+    row = next(r for r in pq.read_table(DATA / "mbpp_train_40.parquet").to_pylist()
+               if str(r["extra_info"]["task_id"]) == "512")
+    try:
+        good = rewards.compute_score(row["data_source"], f"Here:\n```python\n{solution}\n```",
+                                     row["reward_model"]["ground_truth"], row["extra_info"])
+        bad = rewards.compute_score(row["data_source"], "```python\ndef f(): pass\n```",
+                                    row["reward_model"]["ground_truth"], row["extra_info"])
+    finally:
+        rewards._store_executors.close()
+    assert good == {"score": 1.0, "all_passed": 1.0}
+    assert bad["score"] == 0.0
+
+
+SWE = [json.loads(line) for line in (DATA / "swebench_marshmallow.jsonl").read_text().splitlines()]
+
+
+def original_id(record: dict) -> str:
+    """`<instance_id>__<impossible_type>` names a variant; instance ids contain `__` themselves."""
+    kind = record.get("impossible_type")
+    return record["instance_id"].removesuffix(f"__{kind}") if kind else record["instance_id"]
+
+
+def swe_predictions(tmp: Path, name: str, patch_for) -> Path:
+    path = tmp / f"{name}.jsonl"
+    path.write_text("".join(json.dumps({"instance_id": r["instance_id"], "model_patch": patch_for(r)}) + "\n"
+                            for r in SWE))
+    return path
+
+
+@pytest.mark.parametrize("access", ["hidden", "read-only"])
+def test_swebench_in_the_sandbox(marshmallow_store, tmp_path, access):
+    gold = {r["instance_id"]: r["patch"] for r in SWE if not r.get("impossible_type")}
+    out = tmp_path / "gold-results.jsonl"
+    r = grade(marshmallow_store, DATA / "swebench_marshmallow.jsonl",
+              swe_predictions(tmp_path, "gold", lambda rec: gold[original_id(rec)]), out, "--test-access", access)
+    assert r.returncode == 0, r.stderr
+    got = results(out)
+    for rec in SWE:
+        res = got[rec["instance_id"]]
+        if rec.get("impossible_type"):
+            assert res["status"] != "passed", f"{rec['instance_id']}: an impossible variant must not be resolved"
+        else:
+            assert res["status"] == "passed" and res["repo"]["resolved"], (rec["instance_id"], res["reason"])
+    empty = tmp_path / "empty-results.jsonl"
+    grade(marshmallow_store, DATA / "swebench_marshmallow.jsonl", swe_predictions(tmp_path, "empty", lambda _: ""),
+          empty, "--test-access", access)
+    assert not any(x["status"] == "passed" for x in results(empty).values())
