@@ -112,7 +112,7 @@ def grading_sets(mbpp: Path, swe: Path) -> list[Row]:
 def build(catalog: Path, store: Path, bases: dict[str, str], registry: RegistryOptions) -> None:
     cat = load(catalog, bases=bases)
     opts = StoreBuildOptions(BuildOptions(store=store, cache=BlobCache(), registry=registry), jobs=2)
-    summary = build_store(cat, opts, BuildLog(sys.stdout))
+    summary = build_store(cat, opts, BuildLog(sys.stdout, quiet=True))
     if summary.failed:
         for f in summary.failed:
             say(f"  failed: {f.message}")

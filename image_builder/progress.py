@@ -106,10 +106,11 @@ class RichProgress(NullProgress):
 
 
 class BuildLog:
-    """Store builds off a terminal: one line per finished item."""
+    """Store builds off a terminal: one line per finished item (`quiet`: only those built or failed)."""
 
-    def __init__(self, stream=None):
+    def __init__(self, stream=None, quiet: bool = False):
         self.stream = stream or sys.stderr
+        self.quiet = quiet
         self._lock = threading.Lock()
 
     def __enter__(self):
@@ -122,6 +123,8 @@ class BuildLog:
         pass
 
     def done(self, result):
+        if self.quiet and result.status == "up to date":
+            return
         note = f": {result.message}" if result.message else ""
         with self._lock:
             print(f"{result.kind} {result.name}: {result.status} ({result.seconds:.1f}s){note}",
