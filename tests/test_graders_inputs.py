@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from image_builder.errors import ImageBuilderError
+
 from image_builder import rewards
 from image_builder.graders import (AssertTask, BadTask, GradeResult, Prediction, RepoTask, StdioTask, TaskStatus,
                                    extract_code, grade, grade_predictions, load_predictions, load_tasks,
@@ -217,7 +219,8 @@ def test_compute_score_without_an_executor_says_what_to_set(monkeypatch):
     with pytest.raises(GraderError, match="set IMAGE_BUILDER_STORE"):
         rewards.compute_score("mbpp", code, {"assert_case": [RADIX_CASE]})
     monkeypatch.setenv("IMAGE_BUILDER_STORE", "/stores/a")
-    with pytest.raises(GraderError, match="store at /stores/a"):
+    monkeypatch.setattr(rewards, "_store_executors", None)
+    with pytest.raises(ImageBuilderError, match="/stores/a: not a store"):
         rewards.compute_score("mbpp", code, {"assert_case": [RADIX_CASE]})
     # Malformed ground truth needs no executor at all.
     assert rewards.compute_score("mbpp", code, "{broken") == {"score": 0.0, "all_passed": 0.0}

@@ -1,0 +1,94 @@
+"""Grading throughput: MBPP assert cases in the sandbox against bare python3 on the host.
+
+The 40 sample tasks' cases (reference solutions) and a synthetic batch of
+1,000 cases, graded with 2 workers through the store and runtime, against
+running the same `solution + case` scripts with bare `python3` (the physical
+limit here), also 2 at a time. Goal: at least 0.8x of that limit.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from bench.common import CACHE, ROOT, Report, Row, python_rootfs
+from image_builder.cache import BlobCache
+from image_builder.catalog import load
+from image_builder.envbuild import BuildOptions
+from image_builder.graders import AssertTask, GradeOptions, Prediction, grade_predictions, load_tasks
+from image_builder.grading import StoreExecutors
+from image_builder.localregistry import push_image, rootfs_layer, self_signed_cert, start_registry
+from image_builder.registry import RegistryOptions
+from image_builder.store import Store
+from image_builder.storebuild import StoreBuildOptions, build_store
+
+DATA = ROOT / "index/data"
+WORKERS = 2
+
+
+def mbpp_store(work: Path) -> Path:
+    rootfs = python_rootfs()
+    layer = rootfs_layer(rootfs, CACHE / f"{rootfs.name}.tar.gz")
+    tls = self_signed_cert(work, "tls")
+    with start_registry(work, "bench", work / "storage", tls) as reg:
+        push_image(reg.url, "bench/python", "1", [layer], ca=tls.cert)
+        cat = load(ROOT / "index/mbpp.yaml", bases={"python": f"{reg.host}/bench/python:1"})
+        build = BuildOptions(store=work / "store", cache=BlobCache(work / "cache"),
+                             registry=RegistryOptions(ca_cert=tls.cert))
+        summary = build_store(cat, StoreBuildOptions(build, jobs=2))
+        assert not summary.failed, summary.failed
+    return work / "store"
+
+
+def bare(cases: list[tuple[str, str]], work: Path) -> float:
+    """The same scripts with python3 on the host, WORKERS at a time."""
+    scripts = []
+    for i, (solution, case) in enumerate(cases):
+        path = work / f"case{i}.py"
+        path.write_text(solution + "\n" + case + "\n")
+        scripts.append(path)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(WORKERS) as pool:
+        list(pool.map(lambda p: subprocess.run([sys.executable, "-I", str(p)], capture_output=True), scripts))
+    return time.perf_counter() - t0
+
+
+def main() -> Report:
+    report = Report("graders")
+    solutions = {str(r["task_id"]): r["solution"] for r in
+                 map(json.loads, (DATA / "mbpp_train_40_solutions.jsonl").read_text().splitlines())}
+    tasks = [t for t in load_tasks(DATA / "mbpp_train_40.parquet") if isinstance(t, AssertTask)]
+    with tempfile.TemporaryDirectory(prefix="ib-bench-graders-", dir="/var/tmp") as tmp:
+        work = Path(tmp)
+        store = Store.open(mbpp_store(work))
+        # 1,000 cases: the sample tasks' cases repeated, each repetition its own task id on the same instance
+        batch = []
+        while sum(len(t.cases) for t in batch) < 1000:
+            t = tasks[len(batch) % len(tasks)]
+            batch.append(AssertTask(f"{t.task_id}-{len(batch)}", t.cases, t.original_id))
+        for name, task_set in (("40 MBPP tasks", tasks), (f"{sum(len(t.cases) for t in batch)} synthetic cases", batch)):
+            preds = [Prediction(t.task_id, solutions[t.original_id]) for t in task_set]
+            n_cases = sum(len(t.cases) for t in task_set)
+            with StoreExecutors(store) as executors:
+                grade_predictions(task_set[:2], preds[:2], executors, GradeOptions(), workers=WORKERS)  # warm mounts
+                t0 = time.perf_counter()
+                results = grade_predictions(task_set, preds, executors, GradeOptions(), workers=WORKERS)
+                ours = time.perf_counter() - t0
+            assert all(r.passed for r in results), [r.reason for r in results if not r.passed][:3]
+            (work / "bare").mkdir(exist_ok=True)
+            limit = bare([(solutions[t.original_id], c) for t in task_set for c in t.cases], work / "bare")
+            # A throughput ratio: cases/s ours over cases/s bare (goal >= 0.8), i.e. bare time / our time.
+            report.rows.append(Row(f"{name}: cases per second, {WORKERS} workers", n_cases / ours,
+                                   "bare python3 on the host", n_cases / limit, ">= 0.8x", "cases/s"))
+    return report
+
+
+if __name__ == "__main__":
+    r = main()
+    r.print()
+    r.save()
