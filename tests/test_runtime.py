@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from image_builder.bases import debian_rootfs
-from image_builder.execution import RunRequest
+from image_builder.execution import RunRequest, RunResult
 from image_builder.runtime import Backend, InstanceLayers, apptainer_command, detect_backend, doctor
 from image_builder.sif import write_sif
 from image_builder.squashfs import SquashOptions, pack
@@ -154,19 +154,6 @@ def extract_layers() -> Path:
 
 
 @dataclass
-class Result:
-    exit_code: int | None
-    signal: int | None
-    timed_out: bool
-    out_of_memory: bool
-    wall_time: float
-    peak_memory_kb: int | None
-    stdout: bytes
-    stderr: bytes
-    truncated: bool
-
-
-@dataclass
 class Case:
     """One backend, run as the user it is for."""
 
@@ -211,16 +198,16 @@ class Case:
         assert proc.returncode == 0, err.decode()[-3000:]
         return json.loads(out)
 
-    def run(self, *requests: dict, threads: int = 1, **session) -> list[Result]:
+    def run(self, *requests: dict, threads: int = 1, **session) -> list[RunResult]:
         got = self.run_raw(*requests, threads=threads, **session)
         assert "results" in got, got
         out = []
         for r in got["results"]:
             r["stdout"], r["stderr"] = base64.b64decode(r["stdout"]), base64.b64decode(r["stderr"])
-            out.append(Result(**r))
+            out.append(RunResult(**r))
         return out
 
-    def one(self, argv: list[str], **kw) -> Result:
+    def one(self, argv: list[str], **kw) -> RunResult:
         session = kw.pop("session", {})
         return self.run(self.req(argv, **kw), **session)[0]
 
