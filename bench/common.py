@@ -78,7 +78,7 @@ class Report:
 
     def print(self) -> None:
         print(f"\n## {self.area} ({os.cpu_count()} cores, {platform.machine()}, {time.strftime('%Y-%m-%d')})")
-        print(f"| what | image_builder | peer | peer time | ratio | goal |")
+        print("| what | image_builder | peer | peer time | ratio | goal |")
         print("|---|---|---|---|---|---|")
         for r in self.rows:
             print(f"| {r.what} | {r.ours:.3f} {r.unit} | {r.peer_name} | {r.peer:.3f} {r.unit} | "

@@ -8,9 +8,7 @@ through a counting proxy, which must send no blob request.
 
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 

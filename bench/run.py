@@ -32,7 +32,7 @@ def main() -> int:
         report.print()
         report.save()
         sections.append(report)
-    lines = [f"# Benchmark results", "",
+    lines = ["# Benchmark results", "",
              f"{os.cpu_count()} cores, {platform.machine()}, {platform.platform()}, "
              f"{time.strftime('%Y-%m-%d %H:%M')}. Produced by `make bench`; each row is this project "
              "against its peer measured in the same run, the ratio being ours / peer.", ""]

@@ -252,7 +252,7 @@ def inspect(target, store, as_json):
         click.echo(f"  layer {i}: {layer}  ({_human(layer.stat().st_size)})")
     if resolved.test_command:
         click.echo(f"  test command: {resolved.test_command}")
-    click.echo(f"  apptainer: apptainer exec " + " ".join(f"--overlay {p}:ro" for p in resolved.overlays)
+    click.echo("  apptainer: apptainer exec " + " ".join(f"--overlay {p}:ro" for p in resolved.overlays)
                + f" {resolved.env_sif} CMD")
 
 
@@ -430,10 +430,9 @@ def shell(instance, env_name, store, persist, net, binds, backend):
     layer_list = ", ".join(str(p) for p in (layers.env_sif, *layers.overlays))
     click.echo(f"image-builder shell: {what}; layers (read-only): {layer_list}; writes go to "
                + (f"{persist} (kept)" if persist else "a throwaway layer") + "; exit to leave", err=True)
-    shell_path = "/bin/bash"
+    argv = ("/bin/bash", "-l") if _has(layers, "bin/bash") else ("/bin/sh",)
     with open_session(layers, backend=Backend(backend) if backend else None, binds=_binds(binds)) as session:
-        code = session.shell((shell_path, "-l") if _has(layers, "bin/bash") else ("/bin/sh",), persist=persist,
-                             network=net)
+        code = session.shell(argv, persist=persist, network=net)
     sys.exit(code)
 
 
@@ -457,9 +456,9 @@ def doctor():
 
 
 def _grade_options(timeout, memory, strict, access):
+    from dataclasses import replace
     from .graders import GradeOptions, TestAccess
     opts = GradeOptions(strict=strict, access=TestAccess(access))
-    from dataclasses import replace
     if timeout:
         opts = replace(opts, case_timeout=timeout, stdio_timeout=timeout)
     if memory:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import os
 import pty
 import select
@@ -18,7 +17,6 @@ from image_builder.cache import BlobCache
 from image_builder.catalog import CatalogError, load
 from image_builder.envbuild import BuildFailed, BuildOptions, LABEL_PREFIX, build_environment
 from image_builder.registry import RegistryOptions
-from image_builder.sandbox import Backend
 from image_builder.sif import read_sif
 from tests.conftest import run_cli
 

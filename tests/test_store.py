@@ -20,7 +20,7 @@ from image_builder.cache import BlobCache
 from image_builder.index import read_index
 from image_builder.registry import RegistryOptions
 from image_builder.sif import partition_offset
-from image_builder.store import Store, UnknownInstance, verify
+from image_builder.store import Store, UnknownInstance
 from image_builder.storebuild import StoreBuildOptions, build_store
 from tests.conftest import run_cli
 from tests.test_envbuild import write_catalog
