@@ -7,7 +7,17 @@ interface, so a grader never needs to know how an instance is mounted.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Bind:
+    """A host path shown inside a sandbox (nothing of the host is, unless bound)."""
+
+    src: Path
+    dest: str  # absolute path inside
+    readonly: bool = True
 
 
 @dataclass(frozen=True)

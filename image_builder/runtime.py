@@ -49,7 +49,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .execution import RunRequest, RunResult
+from .execution import Bind, RunRequest, RunResult
 from .holder import DEFAULT_MAX_PROCESSES, IDLE_INIT, INLINE_JOB, recv_fds, run_joined, send_fds
 from .mounts import RootSpec, RunnerError, locate_cgroups
 
@@ -89,15 +89,6 @@ class Backend(str, enum.Enum):
     USERNS = "userns"
     APPTAINER = "apptainer"
     EXTRACT = "extract"
-
-
-@dataclass(frozen=True)
-class Bind:
-    """A host path shown inside the instance (nothing of the host is, unless bound)."""
-
-    src: Path
-    dest: str  # absolute path inside the instance
-    readonly: bool = True
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ImageBuilderError
+from .execution import Bind
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 CA_IN_SANDBOX = "/tmp/.image-builder/ca.pem"
@@ -78,13 +79,6 @@ def host_ca_bundle() -> Path | None:
         if candidate and Path(candidate).is_file():
             return Path(candidate)
     return None
-
-
-@dataclass(frozen=True)
-class Bind:
-    src: Path
-    dest: str  # absolute path inside the sandbox
-    readonly: bool = True
 
 
 @dataclass(frozen=True)
