@@ -438,12 +438,9 @@ def shell(instance, env_name, store, persist, net, binds, backend):
 
 def _has(layers, path: str) -> bool:
     """Whether the environment image has `path` (read from its squashfs listing, no mount)."""
-    import subprocess
     from .sif import partition_offset
-    offset, _ = partition_offset(layers.env_sif)
-    out = subprocess.run(["unsquashfs", "-o", str(offset), "-d", "", "-l", str(layers.env_sif), path],
-                         capture_output=True, text=True).stdout
-    return f"/{path}" in out.split()
+    from .squashfs import list_paths
+    return f"/{path}" in list_paths(layers.env_sif, path, partition_offset(layers.env_sif)[0])
 
 
 @main.command()

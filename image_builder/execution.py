@@ -11,6 +11,10 @@ from pathlib import Path
 from typing import Protocol
 
 
+# The PATH a sandbox starts from when the image sets none.
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
 @dataclass(frozen=True)
 class Bind:
     """A host path shown inside a sandbox (nothing of the host is, unless bound)."""

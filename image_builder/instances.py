@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -33,7 +32,7 @@ from .errors import ImageBuilderError
 from .overlay import normalise_upper
 from .sandbox import Backend, Bind, Overlay, SandboxSpec, SquashImage, detect_backend, run as sandbox_run
 from .sif import partition_offset
-from .squashfs import SquashOptions, pack, source_date_epoch
+from .squashfs import SquashOptions, list_paths, pack, source_date_epoch
 from .store import StorePaths, remove_tree
 
 FILES_IN_SANDBOX = "/tmp/.image-builder/instance-files"
@@ -103,11 +102,9 @@ def _write_record(paths: StorePaths, build: InstanceBuild) -> None:
 def lower_children(sif: Path, offset: int) -> Callable[[str], list[str]]:
     """Names directly under a directory of the environment image (for opaque directories)."""
     def children(rel_dir: str) -> list[str]:
-        out = subprocess.run(["unsquashfs", "-o", str(offset), "-d", "", "-l", str(sif), rel_dir],
-                             capture_output=True, text=True).stdout
-        prefix = f"/{rel_dir}/"  # unsquashfs prints the -d prefix, then /path
-        return sorted({line[len(prefix):].split("/")[0] for line in out.splitlines()
-                       if line.startswith(prefix) and line[len(prefix):]})
+        prefix = f"/{rel_dir}/"
+        return sorted({p[len(prefix):].split("/")[0] for p in list_paths(sif, rel_dir, offset)
+                       if p.startswith(prefix) and p[len(prefix):]})
     return children
 
 

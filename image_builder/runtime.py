@@ -49,7 +49,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .execution import Bind, RunRequest, RunResult
+from .execution import DEFAULT_PATH, Bind, RunRequest, RunResult
 from .holder import DEFAULT_MAX_PROCESSES, IDLE_INIT, INLINE_JOB, recv_fds, run_joined, send_fds
 from .mounts import RootSpec, RunnerError, locate_cgroups
 
@@ -67,7 +67,6 @@ __all__ = [
     "run",
 ]
 
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _REPORT_GRACE = 30.0  # seconds past a run's timeout before its silence is an error
 # What a failed allocation prints, by language: with only RLIMIT_AS to go by, the output is the evidence.
 _OOM_MARKERS = (b"MemoryError", b"Cannot allocate memory", b"std::bad_alloc", b"out of memory",

@@ -31,9 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ImageBuilderError
-from .execution import Bind
+from .execution import DEFAULT_PATH, Bind
 
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 CA_IN_SANDBOX = "/tmp/.image-builder/ca.pem"
 APT_CONF_IN_SANDBOX = "/tmp/.image-builder/apt.conf"
 # Passed through from the host so builds work behind a proxy.

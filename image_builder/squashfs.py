@@ -365,3 +365,11 @@ def pack(
             pseudo_file.unlink(missing_ok=True)
         if not ok and not offset:
             target.unlink(missing_ok=True)
+
+
+def list_paths(image: Path, rel: str, offset: int = 0) -> list[str]:
+    """The paths at and under `rel` in a squashfs image (at `offset`, e.g. in a SIF), as
+    "/rel/...", read with `unsquashfs -l` without mounting; [] when `rel` is absent."""
+    out = subprocess.run(["unsquashfs", "-o", str(offset), "-d", "", "-l", str(image), rel],
+                         capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if line.startswith("/")]
