@@ -430,7 +430,9 @@ def shell(instance, env_name, store, persist, net, binds, backend):
     layer_list = ", ".join(str(p) for p in (layers.env_sif, *layers.overlays))
     click.echo(f"image-builder shell: {what}; layers (read-only): {layer_list}; writes go to "
                + (f"{persist} (kept)" if persist else "a throwaway layer") + "; exit to leave", err=True)
-    argv = ("/bin/bash", "-l") if _has(layers, "bin/bash") else ("/bin/sh",)
+    # merged-/usr images have bin -> usr/bin: look where the file really is
+    has_bash = _has(layers, "bin/bash") or _has(layers, "usr/bin/bash")
+    argv = ("/bin/bash", "-l") if has_bash else ("/bin/sh",)
     with open_session(layers, backend=Backend(backend) if backend else None, binds=_binds(binds)) as session:
         code = session.shell(argv, persist=persist, network=net)
     sys.exit(code)
