@@ -465,8 +465,7 @@ def _grade_options(timeout, memory, strict, access):
     return opts
 
 
-grading_options = [
-    click.option("-j", "--jobs", type=click.IntRange(1, 256), default=2, show_default=True, help="Tasks at once."),
+grade_limit_options = [
     click.option("--timeout", type=click.FloatRange(min=0, min_open=True), help="Seconds per case or test."),
     click.option("--memory", type=click.IntRange(1), metavar="MB", help="Memory per case or test."),
     click.option("--strict", is_flag=True, help="Assert cases compare plain built-in values only."),
@@ -474,6 +473,8 @@ grading_options = [
                  show_default=True, help="ImpossibleBench's test-access mode for repo tasks."),
     runtime_backend_option,
 ]
+grading_options = [click.option("-j", "--jobs", type=click.IntRange(1, 256), default=2, show_default=True,
+                                help="Tasks at once."), *grade_limit_options]
 
 
 def _with(options):
@@ -484,23 +485,32 @@ def _with(options):
     return decorate
 
 
+tasks_option = click.option("--tasks", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
+                            help="verl parquet, JSONL, or SWE-bench/ImpossibleBench JSONL.")
+predictions_option = click.option("--predictions", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                                  required=True, help="JSONL of {task_id|instance_id, solution|model_patch|response}.")
+
+
 @main.command()
 @store_option
-@click.option("--tasks", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
-              help="verl parquet, JSONL, or SWE-bench/ImpossibleBench JSONL.")
-@click.option("--predictions", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
-              help="JSONL of {task_id|instance_id, solution|model_patch|response}.")
+@tasks_option
+@predictions_option
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=Path("results.jsonl"),
-              show_default=True, help="Results, one JSON line per task; a rerun resumes it.")
+              show_default=True, help="Results, one JSON line per task; a rerun resumes it. Its summary goes "
+              "beside it (results.summary.json).")
+@click.option("--shard", metavar="K/N", help="Grade the K-th of N slices (K from 0), whole instances at a time; "
+              "`image-builder results merge` joins the slices' files.")
 @_with(grading_options)
 @_one_line_errors
-def grade(store, tasks, predictions, output, jobs, timeout, memory, strict, access, backend):
+def grade(store, tasks, predictions, output, shard, jobs, timeout, memory, strict, access, backend):
     """Grade PREDICTIONS against TASKS, each in its instance of STORE."""
-    from .graders import load_predictions, load_tasks, summarize
-    from .grading import StoreExecutors, grade_to_file, read_results
+    from .graders import load_predictions, load_tasks
+    from .grading import StoreExecutors, grade_to_file, read_results, shard_predictions, write_summary
     from .runtime import Backend
     from .store import Store
     task_list, preds = load_tasks(tasks), load_predictions(predictions)
+    if shard:
+        preds = shard_predictions(preds, task_list, _parse_shard(shard))
     already = len({r.task_id for r in read_results(output)} & {p.task_id for p in preds})
     if already:
         click.echo(f"resuming: {already} of {len(preds)} results already in {output}", err=True)
@@ -509,12 +519,34 @@ def grade(store, tasks, predictions, output, jobs, timeout, memory, strict, acce
         grade_to_file(task_list, preds, executors, output, options=_grade_options(timeout, memory, strict, access),
                       workers=jobs, on_result=progress)
     wanted = {p.task_id for p in preds}
-    summary = summarize(r for r in read_results(output) if r.task_id in wanted)
+    _print_grades(write_summary((r for r in read_results(output) if r.task_id in wanted), output), output)
+
+
+def _print_grades(summary, output: Path) -> None:
+    from .grading import summary_path
     click.echo(f"{summary.total} tasks: {summary.passed} passed ({summary.pass_rate:.1%}), "
                f"mean score {summary.mean_score:.3f}, timeouts in {summary.tasks_with_timeouts} tasks")
     for status, count in sorted(summary.by_status.items()):
         click.echo(f"  {status:<14} {count}")
-    click.echo(f"results: {output}")
+    click.echo(f"results: {output}  (summary: {summary_path(output)})")
+
+
+@main.group(name="results")
+def results_group():
+    """Work on grading results."""
+
+
+@results_group.command(name="merge")
+@click.argument("parts", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@predictions_option
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="The merged results, in the predictions' order; its summary goes beside it.")
+@_one_line_errors
+def results_merge(parts, predictions, output):
+    """Join the results files of a sharded grading run (grade --shard K/N) into one, with its summary."""
+    from .graders import load_predictions
+    from .grading import merge_results
+    _print_grades(merge_results(parts, load_predictions(predictions), output), output)
 
 
 class _grade_progress:
@@ -587,7 +619,7 @@ def index_merge(store):
 
 @main.group(name="slurm")
 def slurm_group():
-    """Build a store with a Slurm job array: the store on a shared filesystem, no root on the nodes."""
+    """Build a store or grade predictions as Slurm job arrays: files on a shared filesystem, no root on the nodes."""
 
 
 run_argument = click.argument("run_dir", metavar="RUN", type=click.Path(exists=True, file_okay=False, path_type=Path))
@@ -596,15 +628,20 @@ poll_option = click.option("--poll", type=click.FloatRange(0.1), default=5.0, sh
                            help="Seconds between two looks at squeue with --wait.")
 
 
+sbatch_options = [
+    click.option("--partition", help="sbatch --partition."),
+    click.option("--time", "time_limit", metavar="TIME", help="sbatch --time, per job (e.g. 2:00:00)."),
+    click.option("--cpus-per-task", type=click.IntRange(1), help="sbatch --cpus-per-task: items at once per job."),
+    click.option("--sbatch-arg", "sbatch_args", multiple=True, metavar="OPTION",
+                 help="Another sbatch option for every job, e.g. --account=proj (repeatable)."),
+]
+
+
 @slurm_group.command(name="build")
 @catalog_argument
 @store_option
 @click.option("--shards", type=click.IntRange(1), required=True, help="Array tasks the instances are split over.")
-@click.option("--partition", help="sbatch --partition.")
-@click.option("--time", "time_limit", metavar="TIME", help="sbatch --time, per job (e.g. 2:00:00).")
-@click.option("--cpus-per-task", type=click.IntRange(1), help="sbatch --cpus-per-task: items built at once per job.")
-@click.option("--sbatch-arg", "sbatch_args", multiple=True, metavar="OPTION",
-              help="Another sbatch option for every job, e.g. --account=proj (repeatable).")
+@_with(sbatch_options)
 @base_option
 @click.option("--compression", type=click.Choice(["zstd", "gzip", "lz4", "xz"]), default="zstd", show_default=True,
               help="squashfs compression (gzip for the oldest Apptainers).")
@@ -621,8 +658,36 @@ def slurm_build(catalog, store, shards, partition, time_limit, cpus_per_task, sb
                             plain_http=plain_http, insecure_tls=insecure_tls, compression=compression)
     sbatch = slurm.SbatchOptions(partition, time_limit, cpus_per_task, sbatch_args)
     run = slurm.write_run(plan, sbatch, dict(os.environ))
-    for stale in slurm.drop_other_fragments(plan.store, shards):
+    for stale in slurm.drop_other_fragments(plan.home, shards):
         click.echo(f"removed {stale}: a fragment of an earlier build in another number of shards", err=True)
+    _submitted(run, slurm.submit(run))
+    if wait:
+        _slurm_follow(run, poll)
+
+
+@slurm_group.command(name="grade")
+@store_option
+@tasks_option
+@predictions_option
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=Path("results.jsonl"),
+              show_default=True, help="The merged results; the run's scripts and logs go to slurm/ beside it.")
+@click.option("--shards", type=click.IntRange(1), required=True, help="Array tasks the predictions are split over.")
+@_with(sbatch_options)
+@_with(grade_limit_options)
+@wait_option
+@poll_option
+@_one_line_errors
+def slurm_grade(store, tasks, predictions, output, shards, partition, time_limit, cpus_per_task, sbatch_args,
+                timeout, memory, strict, access, backend, wait, poll):
+    """Grade PREDICTIONS as a Slurm job array (each task grading --cpus-per-task at once), then merge the results."""
+    import os
+    from . import slurm
+    grade_args = [*(("--timeout", str(timeout)) if timeout else ()), *(("--memory", str(memory)) if memory else ()),
+                  *(("--strict",) if strict else ()), "--test-access", access,
+                  *(("--backend", backend) if backend else ())]
+    plan = slurm.grade_plan(store, tasks, predictions, output, shards, tuple(grade_args))
+    run = slurm.write_run(plan, slurm.SbatchOptions(partition, time_limit, cpus_per_task, sbatch_args),
+                          dict(os.environ))
     _submitted(run, slurm.submit(run))
     if wait:
         _slurm_follow(run, poll)
@@ -685,7 +750,7 @@ def _slurm_report(run, snap) -> None:
         click.echo(f"resubmit what failed: image-builder slurm resubmit {run.directory}", err=True)
         sys.exit(1)
     if snap.finished:
-        click.echo(f"done: every job of {run.directory} succeeded")
+        click.echo(f"done: every job of {run.directory} succeeded; made {run.product}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,10 @@ original task's instance); each instance is mounted once and its session
 reused for every run, so thousands of short runs pay for the mounts once.
 Results stream to a JSONL file as they finish, and a rerun skips what the file
 already holds, so an interrupted grading run resumes where it stopped.
+
+Across nodes, `shard_predictions` splits a run by instance (so each instance
+is mounted on one node) and `merge_results` joins the shards' files into one,
+in the predictions' order, with its summary.
 """
 
 from __future__ import annotations
@@ -15,10 +19,17 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from .errors import ImageBuilderError
 from .execution import Executor
-from .graders import GradeOptions, GradeResult, Prediction, Task, grade_prediction
+from .files import atomic_write
+from .graders import GradeOptions, GradeResult, Prediction, Summary, Task, grade_prediction, summarize
 from .runtime import Backend, InstanceLayers, Session, open_session
 from .store import Store
+
+
+def instance_of(task: Task) -> str:
+    """The instance a task runs in: ImpossibleBench variants use their original task's."""
+    return getattr(task, "original_id", task.task_id)
 
 
 class StoreExecutors:
@@ -30,7 +41,7 @@ class StoreExecutors:
         self._lock = threading.Lock()
 
     def __call__(self, task: Task) -> Executor:
-        return self.for_instance(getattr(task, "original_id", task.task_id))
+        return self.for_instance(instance_of(task))
 
     def for_instance(self, instance_id: str) -> Executor:
         with self._lock:
@@ -91,3 +102,42 @@ def _drop_partial_line(output: Path) -> None:
         data = output.read_bytes()
         if data and not data.endswith(b"\n"):
             output.write_bytes(data[: data.rfind(b"\n") + 1])
+
+
+def shard_predictions(predictions: list[Prediction], tasks: Iterable[Task], shard: tuple[int, int]
+                      ) -> list[Prediction]:
+    """Shard K of N: the predictions of instances K, K+N, K+2N, ... in instance id order, so every
+    prediction of one instance lands in one shard and the instance is mounted once."""
+    k, n = shard
+    by_id = {t.task_id: instance_of(t) for t in tasks}
+    keys = sorted({by_id.get(p.task_id, p.task_id) for p in predictions})
+    mine = {key for pos, key in enumerate(keys) if pos % n == k}
+    return [p for p in predictions if by_id.get(p.task_id, p.task_id) in mine]
+
+
+def summary_path(output: Path) -> Path:
+    """Where a results file's summary goes: results.jsonl -> results.summary.json."""
+    return output.with_name(f"{output.stem}.summary.json")
+
+
+def write_summary(results: Iterable[GradeResult], output: Path) -> Summary:
+    summary = summarize(results)
+    atomic_write(summary_path(output), lambda f: f.write(json.dumps(summary.to_dict(), indent=2).encode() + b"\n"))
+    return summary
+
+
+def merge_results(parts: Iterable[Path], predictions: list[Prediction], output: Path) -> Summary:
+    """One results file from the shards' files, in the predictions' order, and its summary; refuses to publish
+    while a prediction has no result (a shard failed or was not run)."""
+    found: dict[str, GradeResult] = {}
+    for part in parts:
+        found.update((r.task_id, r) for r in read_results(part))
+    wanted = list(dict.fromkeys(p.task_id for p in predictions))
+    missing = [task_id for task_id in wanted if task_id not in found]
+    if missing:
+        raise ImageBuilderError(f"{len(missing)} predictions have no result in the shards' files (first: "
+                                f"{missing[0]!r}); run or resubmit the shards that failed, then merge again")
+    results = [found[task_id] for task_id in wanted]
+    output.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(output, lambda f: f.writelines(json.dumps(r.to_dict()).encode() + b"\n" for r in results))
+    return write_summary(results, output)

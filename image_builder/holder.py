@@ -555,13 +555,7 @@ def holder_main(argv: list[str]) -> None:
         for d in ("l", "o", "s", "e", "dev"):
             os.mkdir(d)
         dev_template("dev")
-        cgroups = None
-        if found:
-            try:
-                cgroups = Cgroups(*found)
-            except OSError as e:
-                print(f"image-builder holder: no cgroups ({e}); rlimits only", file=sys.stderr)
-        holder = Holder(kernel, base, cgroups)
+        holder = Holder(kernel, base, None)
         try:
             holder.listener.bind(name)
         except OSError as e:
@@ -569,6 +563,11 @@ def holder_main(argv: list[str]) -> None:
                 raise
             report.write("busy\n")
             return
+        if found:  # only once the name is ours: a holder that loses the race touches nothing
+            try:
+                holder.cgroups = Cgroups(*found)
+            except OSError as e:
+                print(f"image-builder holder: no cgroups ({e}); rlimits only", file=sys.stderr)
         holder.listener.listen(128)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.set_wakeup_fd(holder.wake_w)

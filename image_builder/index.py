@@ -25,6 +25,7 @@ from pathlib import Path
 
 from . import __version__
 from .errors import ImageBuilderError
+from .files import atomic_write
 
 SCHEMA_VERSION = 1
 INDEX_NAME = "index.json"
@@ -129,20 +130,6 @@ def read_index(store: Path) -> Index:
     return parse_index(doc, str(path))
 
 
-def _atomic_write(dest: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, dest)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _stamp(st: os.stat_result) -> str:
     return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
 
@@ -152,7 +139,7 @@ def write_index(store: Path, index: Index) -> Path:
     store = Path(store)
     dest = store / INDEX_NAME
     data = json.dumps(index.to_json(), indent=1, sort_keys=True).encode()
-    _atomic_write(dest, lambda f: f.write(data))
+    atomic_write(dest, lambda f: f.write(data))
     _write_lookup(store, index, _stamp(dest.stat()))
     return dest
 

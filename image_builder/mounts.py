@@ -238,7 +238,12 @@ def locate_cgroups() -> tuple[str, str] | None:
 
 def _rmdir_cgroups(path: str) -> None:
     """Remove a cgroup tree left by a holder that was killed; busy cgroups stay."""
-    for sub in sorted((e.path for e in os.scandir(path) if e.is_dir()), reverse=True):
+    try:
+        with os.scandir(path) as entries:
+            subs = sorted((e.path for e in entries if e.is_dir()), reverse=True)
+    except FileNotFoundError:
+        return
+    for sub in subs:
         try:
             os.rmdir(sub)
         except OSError:
@@ -249,15 +254,33 @@ def _rmdir_cgroups(path: str) -> None:
         pass
 
 
+def _host_pid() -> int:
+    """This process's pid in the pid namespace of /proc (the host's: a holder is pid 1 of its own)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("NSpid:"):
+                return int(line.split()[1])
+    return os.getpid()
+
+
+def _owner_alive(name: str) -> bool:
+    """Whether the holder named in image-builder-PID-TOKEN still runs (holders of other
+    state dirs share the parent cgroup: their empty trees are not stale)."""
+    pid = name.split("-")[2] if name.count("-") == 3 else ""
+    return pid.isdigit() and os.path.exists(f"/proc/{pid}")
+
+
 class Cgroups:
-    """image-builder-TOKEN/rN, one cgroup per run (joined by its init before the run is
+    """image-builder-PID-TOKEN/rN, one cgroup per run (joined by its init before the run is
     asked for: joining costs an RCU grace period), and on v2 holder/ for the holder."""
 
     def __init__(self, kind: str, parent: str):
         with os.scandir(parent) as entries:
-            for stale in [e.path for e in entries if e.name.startswith("image-builder-") and e.is_dir()]:
-                _rmdir_cgroups(stale)  # of killed holders: only empty cgroups go
-        self.root = f"{parent}/image-builder-{os.urandom(4).hex()}"
+            stale = [e.path for e in entries
+                     if e.name.startswith("image-builder-") and e.is_dir() and not _owner_alive(e.name)]
+        for path in stale:
+            _rmdir_cgroups(path)  # of killed holders: only empty cgroups go
+        self.root = f"{parent}/image-builder-{_host_pid()}-{os.urandom(4).hex()}"
         os.mkdir(self.root)
         if kind == "v2":  # no internal processes: the holder lives in a leaf, runs in its siblings
             os.mkdir(f"{self.root}/holder")
@@ -269,7 +292,7 @@ class Cgroups:
     def new(self) -> str:
         self.counter += 1
         path = f"{self.root}/r{self.counter}"
-        os.makedirs(path)  # v1: a holder starting meanwhile may have removed our tree while empty
+        os.mkdir(path)
         return path
 
     def close(self) -> None:

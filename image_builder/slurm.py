@@ -16,7 +16,10 @@ sacct (only with slurmdbd), else the status files the jobs wrote; a job that
 Slurm no longer knows and that left no status was killed (time limit, node
 failure). Each stage and each shard takes the state of its latest submission,
 so resubmitting the failed shards completes a run: the build resumes from its
-per-item records. A build is one Plan; a grading run will be another.
+per-item records; a grading shard resumes from its results file.
+
+Two plans use this: a build (environments, instance shards, merge + verify)
+and a grading run (prediction shards, merge of the results).
 """
 
 from __future__ import annotations
@@ -63,10 +66,12 @@ class Stage:
 
 @dataclass(frozen=True)
 class Plan:
-    kind: str  # build (grade later)
-    store: Path
+    kind: str  # build | grade
+    home: Path  # runs go to home/slurm/: the store for a build; beside the results for grading (graders
+    # may not own the store)
     shards: int
     stages: tuple[Stage, ...]  # in order, each after the previous succeeded; exactly one is the array
+    product: Path  # what the last stage makes: the store's index.json, the merged results
 
 
 @dataclass(frozen=True)
@@ -130,16 +135,19 @@ class Snapshot:
 @dataclass(frozen=True)
 class Run:
     directory: Path
+    kind: str
     shards: int
     stages: tuple[str, ...]
     array: str  # the stage that is the job array
+    product: Path
 
     @classmethod
     def open(cls, directory: Path) -> Run:
         directory = Path(directory).resolve()
         try:
             doc = json.loads((directory / RUN_FILE).read_text())
-            return cls(directory, doc["shards"], tuple(doc["stages"]), doc["array"])
+            return cls(directory, doc["kind"], doc["shards"], tuple(doc["stages"]), doc["array"],
+                       Path(doc["product"]))
         except (OSError, ValueError, KeyError, TypeError):
             raise SlurmError(f"{directory}: not a Slurm run of image-builder (no readable {RUN_FILE})") from None
 
@@ -192,7 +200,7 @@ def _render(argv: tuple[str, ...]) -> str:
 def _job_script(plan: Plan, run_dir: Path, directives: list[str], environ: dict[str, str]) -> str:
     stages = "|".join(s.name for s in plan.stages)
     lines = ["#!/bin/bash",
-             f"# image-builder slurm {plan.kind} of {plan.store} in {plan.shards} shards, written "
+             f"# image-builder slurm {plan.kind} making {plan.product} in {plan.shards} shards, written "
              f"{time.strftime('%Y-%m-%d %H:%M:%S')}.",
              f"# One job per stage ({stages}), the shards as an array; submit.sh beside this file chains them.",
              *directives,
@@ -256,14 +264,14 @@ def write_run(plan: Plan, sbatch: SbatchOptions, environ: dict[str, str]) -> Run
     directives = sbatch.directives()  # a bad option fails before anything is written
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for attempt in range(100):
-        run_dir = (plan.store / "slurm" / f"{plan.kind}-{stamp}{f'-{attempt}' if attempt else ''}").resolve()
+        run_dir = (plan.home / "slurm" / f"{plan.kind}-{stamp}{f'-{attempt}' if attempt else ''}").resolve()
         try:
             run_dir.mkdir(parents=True)
             break
         except FileExistsError:
             continue
     else:
-        raise SlurmError(f"{plan.store / 'slurm'}: cannot make a new run directory")
+        raise SlurmError(f"{plan.home / 'slurm'}: cannot make a new run directory")
     for sub in ("logs", "status"):
         (run_dir / sub).mkdir()
     for name, text in (("job.sh", _job_script(plan, run_dir, directives, environ)),
@@ -271,8 +279,8 @@ def write_run(plan: Plan, sbatch: SbatchOptions, environ: dict[str, str]) -> Run
         (run_dir / name).write_text(text)
         (run_dir / name).chmod(0o755)
     (run_dir / RUN_FILE).write_text(json.dumps({
-        "kind": plan.kind, "store": str(plan.store.resolve()), "shards": plan.shards,
-        "stages": [s.name for s in plan.stages], "array": arrays[0].name}, indent=2) + "\n")
+        "kind": plan.kind, "shards": plan.shards, "stages": [s.name for s in plan.stages], "array": arrays[0].name,
+        "product": str(plan.product)}, indent=2) + "\n")
     return Run.open(run_dir)
 
 
@@ -424,7 +432,7 @@ def build_plan(catalog: Path, store: Path, shards: int, *, bases: dict[str, str]
         Stage("envs", ((*args, "--environments-only"),)),
         Stage("shard", ((*args, "--shard", Raw(f'"$SHARD/{shards}"')),), array=True),
         Stage("merge", (("index", "merge", "--store", str(store)), ("verify", "--store", str(store)))),
-    ))
+    ), store / "index.json")
 
 
 def drop_other_fragments(store: Path, shards: int) -> list[Path]:
@@ -435,3 +443,26 @@ def drop_other_fragments(store: Path, shards: int) -> list[Path]:
     for p in stale:
         p.unlink()
     return stale
+
+
+# Grading: the predictions in shards (whole instances each), then one results file and its summary.
+
+def grade_plan(store: Path, tasks: Path, predictions: Path, output: Path, shards: int,
+               grade_args: tuple[str, ...] = ()) -> Plan:
+    """The stages of a sharded grading run; `grade_args` are more options of `grade` (--timeout ...)."""
+    from .graders import load_predictions, load_tasks
+    from .grading import instance_of
+    from .store import Store
+    Store.open(store)  # errors now, not in a job after a wait in the queue
+    by_id = {t.task_id: instance_of(t) for t in load_tasks(tasks)}
+    instances = {by_id.get(p.task_id, p.task_id) for p in load_predictions(predictions)}
+    if shards > len(instances):
+        raise SlurmError(f"--shards {shards}: {predictions} has predictions for only {len(instances)} instances")
+    store, tasks, predictions, output = (p.resolve() for p in (store, tasks, predictions, output))
+    part = f'"$DIR/results/shard-$SHARD-of-{shards}.jsonl"'
+    grade = ("grade", "--store", str(store), "--tasks", str(tasks), "--predictions", str(predictions),
+             "-o", Raw(part), "--shard", Raw(f'"$SHARD/{shards}"'), "-j", Raw('"$CPUS"'), *grade_args)
+    merge = ("results", "merge", "--predictions", str(predictions), "-o", str(output),
+             Raw(f'"$DIR"/results/shard-*-of-{shards}.jsonl'))
+    return Plan("grade", output.parent, shards, (Stage("shard", (grade,), array=True), Stage("merge", (merge,))),
+                output)

@@ -28,6 +28,7 @@ import pytest
 
 from image_builder.bases import debian_rootfs
 from image_builder.execution import RunRequest, RunResult
+from image_builder.mounts import Cgroups
 from image_builder.runtime import Backend, InstanceLayers, apptainer_command, detect_backend, doctor
 from image_builder.sif import write_sif
 from image_builder.squashfs import SquashOptions, pack
@@ -515,3 +516,21 @@ def test_doctor_explains_the_choice():
     assert lines["chosen"].detail == "kernel"
     assert lines["backend userns"].ok and lines["backend kernel"].ok
     assert "limits" in lines
+
+
+def test_a_starting_holder_removes_only_dead_holders_cgroups(tmp_path):
+    """Holders of other state dirs share the parent cgroup: between two runs their tree is
+    empty, and a new holder must not take it for a killed holder's leftovers."""
+    parent = tmp_path / "pids"
+    live = parent / f"image-builder-{os.getpid()}-aaaa"  # this test's process stands in for a live holder
+    (live / "r1").mkdir(parents=True)
+    dead = parent / "image-builder-2147483600-bbbb"
+    (dead / "r7").mkdir(parents=True)
+    unversioned = parent / "image-builder-cccc"  # an older holder's name, without a pid
+    unversioned.mkdir()
+    cgroups = Cgroups("v1", str(parent))
+    assert (live / "r1").is_dir(), "a live holder's empty cgroups stay"
+    assert not dead.exists() and not unversioned.exists()
+    assert Path(cgroups.root).name.startswith(f"image-builder-{os.getpid()}-")
+    cgroups.close()
+    assert sorted(p.name for p in parent.iterdir()) == [live.name]

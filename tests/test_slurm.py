@@ -1,7 +1,9 @@
-"""Slurm scale-out: sharded builds as real job arrays on a one-node cluster (munged, slurmctld, slurmd)."""
+"""Slurm scale-out: sharded builds and grading as real job arrays on a one-node cluster (munged, slurmctld,
+slurmd)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import tempfile
 import time
@@ -11,11 +13,15 @@ from pathlib import Path
 import pytest
 import yaml
 
+from image_builder.errors import ImageBuilderError
+from image_builder.graders import GradeResult, TaskStatus, load_predictions, load_tasks
+from image_builder.grading import merge_results, shard_predictions
 from image_builder.index import read_index
 from image_builder.slurm import (Run, SbatchOptions, SlurmError, build_plan, drop_other_fragments, format_indices,
                                  parse_indices, write_run)
 from image_builder.store import remove_tree
 from tests.conftest import run_cli
+from tests.support.grader_data import MBPP_SOLUTIONS, MBPP_TASKS
 from tests.support.slurm_cluster import start_cluster
 from tests.test_store import catalog
 
@@ -207,3 +213,54 @@ def test_errors_are_one_line(tmp_path, tiny_base, registries, slurm_cluster):
     status = slurm(slurm_cluster, "status", str(the_run(tmp_path / "store").directory))
     assert status.returncode == 1 and "nothing submitted yet; run submit.sh there" in status.stderr
     assert not slurm_cluster.run("squeue", "-h").stdout, "nothing left queued"
+
+
+def mixed_predictions(path: Path) -> Path:
+    """The MBPP references, every third one replaced by a wrong solution, so results differ task by task."""
+    refs = [json.loads(line) for line in MBPP_SOLUTIONS.read_text().splitlines()]
+    path.write_text("".join(json.dumps({**r, "solution": "def nothing():\n    pass\n"} if i % 3 == 0 else r) + "\n"
+                            for i, r in enumerate(refs)))
+    return path
+
+
+def verdicts(path: Path) -> list[tuple]:
+    """Each result without its timings: task, status, score, and every case's status."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return [(r["task_id"], r["status"], r["score"], [c["status"] for c in r["cases"]]) for r in rows]
+
+
+def test_grade_shards_split_by_instance_and_merge_refuses_gaps(tmp_path):
+    tasks, preds = load_tasks(MBPP_TASKS), load_predictions(mixed_predictions(tmp_path / "preds.jsonl"))
+    shards = [shard_predictions(preds, tasks, (k, 3)) for k in range(3)]
+    assert sorted(p.task_id for s in shards for p in s) == sorted(p.task_id for p in preds), "each exactly once"
+    assert all(13 <= len(s) <= 14 for s in shards)
+    part = tmp_path / "shard-0-of-3.jsonl"
+    part.write_text(json.dumps(GradeResult(shards[0][0].task_id, "assert", TaskStatus.PASSED, 1.0).to_dict()) + "\n")
+    with pytest.raises(ImageBuilderError, match=r"39 predictions have no result .* resubmit the shards"):
+        merge_results([part], preds, tmp_path / "results.jsonl")
+    assert not (tmp_path / "results.jsonl").exists(), "nothing half-merged is published"
+
+
+def test_slurm_grade_equals_local_grade(tmp_path, mbpp_store, slurm_cluster):
+    preds = mixed_predictions(tmp_path / "preds.jsonl")
+    common = ["--store", str(mbpp_store), "--tasks", str(MBPP_TASKS), "--predictions", str(preds)]
+    local = run_cli("grade", *common, "-o", str(tmp_path / "local/results.jsonl"), "-j", "2")
+    assert local.returncode == 0, local.stderr
+
+    out = tmp_path / "arr/results.jsonl"
+    r = slurm(slurm_cluster, "grade", *common, "-o", str(out), "--shards", "4", "--wait", "--poll", "0.5")
+    assert r.returncode == 0, r.stdout + r.stderr + slurm_cluster.logs()
+    assert "shards 4/4 done" in r.stderr and f"succeeded; made {out}" in r.stdout
+    assert sorted(verdicts(out)) == sorted(verdicts(tmp_path / "local/results.jsonl")), "same results"
+    assert [v[0] for v in verdicts(out)] == [p.task_id for p in load_predictions(preds)], "in the predictions' order"
+    summary = json.loads((tmp_path / "arr/results.summary.json").read_text())
+    assert summary == json.loads((tmp_path / "local/results.summary.json").read_text())
+    assert summary["total"] == 40 and summary["passed"] == 26
+
+    run = Run.open(next((tmp_path / "arr/slurm").iterdir()))
+    sub = run.submissions()[-1]
+    assert run.kind == "grade" and set(sub.jobs) == {"shard", "merge"}
+    shard_ids = [{json.loads(line)["task_id"] for line in (run.directory / f"results/shard-{k}-of-4.jsonl")
+                  .read_text().splitlines()} for k in range(4)]
+    assert sum(map(len, shard_ids)) == 40 and all(shard_ids), "every shard graded a part"
+    assert "40 tasks: 26 passed (65.0%)" in run.log("merge", sub.jobs["merge"]).read_text()

@@ -1,0 +1,24 @@
+"""Publishing a file whole: written under a temporary name beside it, synced, then renamed over it."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+
+def atomic_write(dest: Path, write: Callable[[BinaryIO], object], mode: int = 0o644) -> None:
+    """Readers see the old file or the whole new one, never a part; a failed write leaves no temporary."""
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, dest)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
