@@ -387,10 +387,11 @@ def _mountpoint(rel: str, is_dir: bool) -> str:
     return path
 
 
-def enter_root(spec: RootSpec) -> int | None:
+def enter_root(spec: RootSpec) -> tuple[int | None, int]:
     """In pid 1 of a new pid namespace: build the run's root and move into it, ending as
-    root of a nested user namespace that owns nothing. Joins the run's cgroup, if any,
-    and returns a descriptor of it (the host's /sys is gone afterwards)."""
+    root of a nested user namespace that owns nothing. Joins the run's cgroup, if any.
+    Returns descriptors of that cgroup (the host's /sys is gone afterwards) and of the
+    writable layer's upper directory (out of reach by path afterwards)."""
     isolated = not spec.network and spec.netns is None
     unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS | (CLONE_NEWNET if isolated else 0))
     if spec.netns is not None:
@@ -413,6 +414,7 @@ def enter_root(spec: RootSpec) -> int | None:
     opts = f"lowerdir={spec.lower},upperdir={upper},workdir={work}" + (",userxattr" if spec.userxattr else "")
     # nodev: a device node in an image must not reach the host's disks; nosuid: nor gain ids.
     mount("overlay", "s/r", "overlay", MS_NOSUID | MS_NODEV, opts)
+    upper_fd = os.open(upper, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     os.chdir("s/r")
     for d, mode in (("proc", 0o555), ("dev", 0o755), ("tmp", 0o1777)):
         if not os.path.lexists(d):
@@ -453,7 +455,7 @@ def enter_root(spec: RootSpec) -> int | None:
     # Inherited by the command: in any out-of-memory kill, on the host or in a cgroup, a
     # run goes first (and of a run, its biggest process: the command, not this init).
     _write("/proc/self/oom_score_adj", "1000")
-    return cgroup
+    return cgroup, upper_fd
 
 
 

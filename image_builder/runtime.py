@@ -430,6 +430,9 @@ class _HolderSession(Session):
         self._ready: dict[bool, list[tuple[float, socket.socket]]] = {False: [], True: []}  # (received, init)
         self._asked = {False: 0, True: 0}
         self._busy = {False: 0, True: 0}
+        # Inits whose last run left their root untouched, by (network, memory limit): the limits a
+        # job sets on its init cannot be raised again, so an init only takes jobs like its first.
+        self._reused: dict[tuple[bool, int | None], list[tuple[float, socket.socket]]] = {}
         with self._lock:
             self._ask(False)  # the first init gets ready while the caller prepares its run
 
@@ -471,15 +474,31 @@ class _HolderSession(Session):
                 self._ask(network)  # a spare for each run in flight: its next one
             return ctl
 
-    def _done(self, network: bool) -> None:
+    def _take_reused(self, key: tuple[bool, int | None]) -> socket.socket | None:
+        with self._lock:
+            reused = self._reused.get(key, [])
+            while reused:
+                since, ctl = reused.pop()  # the last one back: the warmest
+                if time.monotonic() - since < IDLE_INIT / 2:
+                    self._busy[key[0]] += 1
+                    return ctl
+                ctl.close()
+            return None
+
+    def _done(self, network: bool, reusable: tuple[tuple[bool, int | None], socket.socket] | None = None) -> None:
         with self._lock:
             self._busy[network] -= 1
+            if reusable and self._conn is not None:
+                self._reused.setdefault(reusable[0], []).append((time.monotonic(), reusable[1]))
+            elif reusable:
+                reusable[1].close()
 
-    def _send(self, job: bytes, fds: list[int], network: bool) -> socket.socket:
-        """Hand the job to a ready init (one killed meanwhile is passed over)."""
+    def _send(self, job: bytes, fds: list[int], network: bool, key: tuple[bool, int | None]) -> socket.socket:
+        """Hand the job to an init whose last run left it untouched, else to a ready one (one
+        killed meanwhile is passed over)."""
         msg = {"payload": len(job)} if len(job) > INLINE_JOB else job
         for _attempt in range(8):
-            ctl = self._take(network)
+            ctl = self._take_reused(key) or self._take(network)
             try:
                 send_fds(ctl, msg, fds)
                 return ctl
@@ -490,7 +509,8 @@ class _HolderSession(Session):
 
     def run(self, request: RunRequest) -> RunResult:
         job = marshal.dumps(build_job(self.layers, request, self.max_processes))
-        ctl = out_r = err_r = None
+        key = (request.network, request.memory_mb)
+        ctl = out_r = err_r = got = None
         try:
             fds = [stdin_fd(request.stdin)]
             out_r, out_w = os.pipe2(os.O_CLOEXEC)
@@ -500,7 +520,7 @@ class _HolderSession(Session):
                 if len(job) > INLINE_JOB:
                     fds.append(stdin_fd(job))
                 t0 = time.monotonic()
-                ctl = self._send(job, fds, request.network)
+                ctl = self._send(job, fds, request.network, key)
             finally:
                 for fd in fds:
                     os.close(fd)
@@ -513,8 +533,11 @@ class _HolderSession(Session):
             wall = time.monotonic() - t0
         finally:
             if ctl is not None:
-                ctl.close()  # also how a Ctrl-C here stops the run: the init sees us go
-                self._done(request.network)
+                if got is not None and got.reply and got.reply.get("reusable"):
+                    self._done(request.network, (key, ctl))
+                else:
+                    ctl.close()  # also how a Ctrl-C here stops the run: the init sees us go
+                    self._done(request.network)
             for fd in (out_r, err_r):
                 if fd is not None:
                     os.close(fd)
@@ -543,7 +566,7 @@ class _HolderSession(Session):
     def close(self) -> None:
         with self._lock:
             conn, self._conn = self._conn, None
-            for ready in self._ready.values():
+            for ready in (*self._ready.values(), *self._reused.values()):
                 for _, ctl in ready:
                     ctl.close()
                 ready.clear()

@@ -390,6 +390,38 @@ def test_writes_are_thrown_away_after_each_run(case):
     assert c.stdout.decode().startswith("False 12.") and c.stdout.decode().rstrip().endswith("True")
 
 
+ADD_KEY = {"x86_64": 248, "aarch64": 217}[os.uname().machine]  # add_key(2): libc has no wrapper
+
+
+@pytest.mark.parametrize("case", ["kernel", "userns"], indirect=True)
+def test_an_untouched_root_serves_the_next_run_and_nothing_carries_over(case):
+    """A run that changed nothing gets its init (pid 1, root, mounts) back for the next run;
+    one that left anything a next run could see does not, and its processes never survive."""
+    pid = ["sh", "-c", 'echo "$$"; [ -e /tmp/left ] || [ -e /dev/shm/left ] && echo LEFT; stat -c %a /; '
+           "grep -c . /proc/sysvipc/shm; for p in /proc/[0-9]*; do cat $p/cmdline; echo; done | grep -c ^sleep"]
+    leave = {
+        "a sleeper": ["sh", "-c", "sleep 300 & echo started"],  # writes nothing: reused, but the sleeper dies
+        "a file": ["sh", "-c", "echo x > /tmp/left"],
+        "a mode": ["chmod", "700", "/"],
+        "shared memory": ["sh", "-c", "echo x > /dev/shm/left"],
+        "a SysV segment": py("import ctypes; assert ctypes.CDLL(None).shmget(1234, 4096, 0o1666) >= 0"),
+        "a key": py(f"import ctypes; assert ctypes.CDLL(None).syscall({ADD_KEY}, b'user', b'k', b'v', 1, -4) > 0"),
+    }
+    requests = [case.req(pid), case.req(pid)]
+    for argv in leave.values():
+        requests += [case.req(argv), case.req(pid)]
+    out = [r.stdout.decode().split() for r in case.run(*requests)]
+    assert out[0] == ["2", "755", "1", "0"], "a fresh init: the command is pid 2"
+    assert int(out[1][0]) > 2 and out[1][1:] == ["755", "1", "0"], "the untouched root was reused"
+    for i, what in enumerate(leave):
+        assert case.run(requests[2 + 2 * i])[0].exit_code == 0, what
+        after = out[3 + 2 * i]
+        if what == "a sleeper":
+            assert int(after[0]) > 2 and after[1:] == ["755", "1", "0"], f"{what}: reused, the sleeper gone"
+        else:
+            assert after == ["2", "755", "1", "0"], f"after {what}: a fresh root ({after})"
+
+
 def test_writes_do_not_outlive_the_session(case):
     case.one(["sh", "-c", "echo new > /testbed/new.txt"])
     assert case.one(py("import os; print(os.path.exists('/testbed/new.txt'))")).stdout == b"False\n"
