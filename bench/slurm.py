@@ -9,10 +9,11 @@ into a fresh store, blob cache warm, two ways on this machine:
   scheduler settings, started here) whose cores run the 4 array tasks 2 at a
   time, one CPU each: the same parallelism.
 
-Both do the same building, so the difference is what Slurm adds: four
-scheduling hops (environments job, two waves of array tasks, merge job), a
+Both do the same building, so the difference is what Slurm adds: three
+scheduling hops (the first wave of array tasks, the second, the merge job), a
 Python start-up and environment check per job, the merge and verify, and
-polling. Slurm schedules at most once per batch_sched_delay (3 s by default),
+polling. (A separate environments job, as an earlier version had, added a hop
+and a job: 11.3 s in all.) Slurm schedules at most once per batch_sched_delay (3 s by default),
 so a hop after a job shorter than that waits out the rest: instances that
 build in a blink show the worst case, instances that take 2 s each (a sleep
 standing in for a clone and a pip install) a more usual one.

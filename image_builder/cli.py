@@ -145,6 +145,8 @@ def _parse_shard(value: str | None) -> tuple[int, int] | None:
 @click.option("--environments-only", is_flag=True, help="Build only the environments (those of the --only or "
               "--shard instances), none of the instances.")
 @click.option("--fail-fast", is_flag=True, help="Stop at the first failure.")
+@click.option("--attempt", metavar="ID", help="Shared by the shards of one submission (slurm build passes the "
+              "array job id): an environment that failed in one is not tried again by the others.")
 @base_option
 @backend_option
 @click.option("--compression", type=click.Choice(["zstd", "gzip", "lz4", "xz"]), default="zstd", show_default=True,
@@ -155,8 +157,8 @@ def _parse_shard(value: str | None) -> tuple[int, int] | None:
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON on stdout.")
 @registry_options
 @_one_line_errors
-def build(catalog, store, jobs, only, shard, fail_fast, environments_only, bases, backend, compression, processors,
-          force, verbose, as_json, cache_dir, ca_cert, plain_http, insecure_tls):
+def build(catalog, store, jobs, only, shard, fail_fast, attempt, environments_only, bases, backend, compression,
+          processors, force, verbose, as_json, cache_dir, ca_cert, plain_http, insecure_tls):
     """Build CATALOG into STORE: one .sif per environment, one .sqfs per instance, and index.json."""
     from .cache import BlobCache
     from .catalog import load
@@ -177,7 +179,7 @@ def build(catalog, store, jobs, only, shard, fail_fast, environments_only, bases
                                                    level=3 if compression == "zstd" else None, processors=processors),
                               verbose=verbose, force=force)
     opts = StoreBuildOptions(build_opts, jobs=jobs, only=frozenset(only), shard=_parse_shard(shard),
-                             fail_fast=fail_fast, environments_only=environments_only)
+                             fail_fast=fail_fast, environments_only=environments_only, attempt=attempt)
     envs, instances = select(cat, opts.only, opts.shard, opts.environments_only)
     reporter = BuildProgress(len(envs) + len(instances)) if sys.stderr.isatty() and not verbose else BuildLog()
     with reporter:

@@ -8,7 +8,7 @@ that a cluster admin can read and submit again by hand:
     submit.sh      submits every stage, each after the previous one succeeded, and
                    appends the job ids to `submissions`; `submit.sh 1,5` reruns only
                    shards 1 and 5 (with the stages around them)
-    submissions    one line per submission: shards=0-3 envs=12 shard=13 merge=14
+    submissions    one line per submission: shards=0-3 shard=13 merge=14
     logs/STAGE.JOBID.log
 
 A run's state comes from squeue (which keeps finished jobs for MinJobAge), else
@@ -18,8 +18,8 @@ failure). Each stage and each shard takes the state of its latest submission,
 so resubmitting the failed shards completes a run: the build resumes from its
 per-item records; a grading shard resumes from its results file.
 
-Two plans use this: a build (environments, instance shards, merge + verify)
-and a grading run (prediction shards, merge of the results).
+Two plans use this: a build (shards, then merge + verify) and a grading run
+(prediction shards, then merge of the results).
 """
 
 from __future__ import annotations
@@ -407,12 +407,13 @@ def log_excerpt(path: Path, lines: int = 5) -> list[str]:
     return [line for line in text if line.startswith("failed: ")][-lines:] or text[-lines:]
 
 
-# The build: environments once, then the instances in shards, then one index.
+# The build: the shards (each environment built once, by the first shard needing it), then one index.
 
 def build_plan(catalog: Path, store: Path, shards: int, *, bases: dict[str, str], cache_dir: Path | None,
                ca_cert: Path | None, plain_http: tuple[str, ...], insecure_tls: tuple[str, ...],
                compression: str) -> Plan:
-    """The stages of a sharded build: environments, instances in shards, then merge and verify."""
+    """The stages of a sharded build: the shards (environments as needed, then instances), then merge and
+    verify."""
     from .catalog import load
     cat = load(catalog, bases=bases)  # errors now, not in a job after a wait in the queue
     if shards > len(cat.instances):
@@ -428,9 +429,11 @@ def build_plan(catalog: Path, store: Path, shards: int, *, bases: dict[str, str]
     for flag, hosts in (("--plain-http", plain_http), ("--insecure-tls", insecure_tls)):
         for host in hosts:
             args += [flag, host]
+    # No job of its own for the environments (a scheduling hop, 2-3 s): each shard builds those its
+    # instances need under per-item locks, so each is built once, by whichever shard comes first.
     return Plan("build", store, shards, (
-        Stage("envs", ((*args, "--environments-only"),)),
-        Stage("shard", ((*args, "--shard", Raw(f'"$SHARD/{shards}"')),), array=True),
+        Stage("shard", ((*args, "--shard", Raw(f'"$SHARD/{shards}"'), "--attempt", Raw('"$SLURM_ARRAY_JOB_ID"')),),
+              array=True),
         Stage("merge", (("index", "merge", "--store", str(store)), ("verify", "--store", str(store)))),
     ), store / "index.json")
 

@@ -7,7 +7,11 @@ Finished items are recorded beside their files (`envs/<name>.json`,
 `instances/<id>.json`), so a build killed at any point resumes where it
 stopped; the index is written last, from what is finished and verified.
 With `--shard K/N` a build writes an index fragment that `merge_fragments`
-combines, for cluster admins splitting a store over a job array.
+combines, for cluster admins splitting a store over a job array. Shards build
+the environments their instances need, each starting from a different one, so
+they build distinct environments at once and wait for the rest; with an
+`attempt` id (a Slurm array job's), an environment whose build failed in one
+shard is not tried again by the others of the same attempt.
 """
 
 from __future__ import annotations
@@ -41,8 +45,8 @@ class StoreBuildOptions:
     only: frozenset[str] = frozenset()  # instance ids or environment names
     shard: tuple[int, int] | None = None  # (k, n): instances k, k+n, k+2n, ... in id order
     fail_fast: bool = False
-    # Only the environments: the first job of a Slurm array, so no two shards build one.
     environments_only: bool = False
+    attempt: str | None = None  # shared by the shards of one submission (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,9 @@ def select(catalog: Catalog, only: frozenset[str], shard: tuple[int, int] | None
         # A full build has the environments no instance uses, so the N shards together do too: shard 0 builds them.
         wanted |= set(catalog.environments) - {i.environment for i in catalog.instances.values()}
     envs = [catalog.environments[n] for n in catalog.environments if n in wanted]
+    if shard and envs:  # shard k starts k environments further on: concurrent shards build different ones
+        start = shard[0] % len(envs)
+        envs = envs[start:] + envs[:start]
     return envs, [] if environments_only else instances
 
 
@@ -170,8 +177,18 @@ def build_store(catalog: Catalog, opts: StoreBuildOptions, reporter: Reporter = 
         reporter.start("environment", spec.name)
         try:
             with item_lock(store, f"env-{spec.name}"):
+                failed_in = store / "locks" / f"env-{spec.name}.failed"
+                if opts.attempt and failed_in.exists() and failed_in.read_text() == opts.attempt:
+                    raise ImageBuilderError(f"its build failed in another shard of this submission; log: "
+                                            f"{paths.env_logs(spec.name)}")
                 drop_if_corrupt(paths.env_sif(spec.name))
-                build = build_environment(spec, opts.build)
+                try:
+                    build = build_environment(spec, opts.build)
+                except BuildFailed:
+                    if opts.attempt:
+                        failed_in.write_text(opts.attempt)
+                    raise
+                failed_in.unlink(missing_ok=True)
                 env_records[spec.name] = _env_record(paths, build)
             env_builds[spec.name] = build
             return ItemResult("environment", spec.name, "built" if build.built else "up to date",

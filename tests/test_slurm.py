@@ -23,7 +23,7 @@ from image_builder.store import remove_tree
 from tests.conftest import run_cli
 from tests.support.grader_data import MBPP_SOLUTIONS, MBPP_TASKS
 from tests.support.slurm_cluster import start_cluster
-from tests.test_store import catalog
+from tests.test_store import ENV_SCRIPT, catalog
 
 EPOCH = {"SOURCE_DATE_EPOCH": "1700000000"}
 
@@ -94,7 +94,7 @@ def test_run_scripts_are_readable_bash(tmp_path, tiny_base, registries):
     for line in ("#SBATCH --partition=short", "#SBATCH --time=0:30:00", "#SBATCH --cpus-per-task=2",
                  "#SBATCH --account=proj", "export SOURCE_DATE_EPOCH=1700000000"):
         assert line in job.splitlines()
-    assert '--shard "$SHARD/4"' in job and "--environments-only" in job and "--insecure-tls example.org" in job
+    assert '--shard "$SHARD/4" --attempt "$SLURM_ARRAY_JOB_ID"' in job and "--insecure-tls example.org" in job
     assert f"--ca-cert {registries.tls.cert}" in job and "--base py=example.org/py:3" in job
     assert "ib index merge --store" in job and "&& ib verify --store" in job
     with pytest.raises(SlurmError, match="expected one sbatch option"):
@@ -124,6 +124,23 @@ def test_environments_only_builds_no_instance(tmp_path, tiny_base, registries):
     assert not list((tmp_path / "store").glob("instances/*.sqfs"))
 
 
+def test_an_environment_that_failed_in_one_shard_is_not_retried_by_the_others(tmp_path, tiny_base, registries):
+    cat = eight_instances(tmp_path, tiny_base)
+    (tmp_path / "scripts/env.sh").write_text("#!/bin/sh\nexit 4\n")  # a broken environment
+
+    def shard(k: int, attempt: str) -> subprocess.CompletedProcess:
+        return run_cli("build", str(cat), "--store", str(tmp_path / "store"), "--cache-dir", str(tmp_path / "cache"),
+                       "--ca-cert", str(registries.tls.cert), "--shard", f"{k}/4", "--attempt", attempt)
+    first, second = shard(0, "41"), shard(1, "41")
+    assert first.returncode == 1 and "environment tiny: failed" in first.stderr and "exited 4" in first.stderr
+    assert second.returncode == 1 and "environment tiny: its build failed in another shard of this submission; " \
+        f"log: {tmp_path / 'store/logs/envs/tiny'}" in second.stderr, second.stderr
+    assert "exited 4" not in second.stderr, "not built again"
+    (tmp_path / "scripts/env.sh").write_text(ENV_SCRIPT)  # fixed
+    assert shard(1, "42").returncode == 0, "a new submission tries again"
+    assert not (tmp_path / "store/locks/env-tiny.failed").exists()
+
+
 def test_sharded_slurm_build_equals_one_process_build(tmp_path, tiny_base, registries, slurm_cluster):
     cat = eight_instances(tmp_path, tiny_base)
     one = run_cli("build", str(cat), "--store", str(tmp_path / "one/store"), "--cache-dir",
@@ -133,23 +150,23 @@ def test_sharded_slurm_build_equals_one_process_build(tmp_path, tiny_base, regis
     store = tmp_path / "arr/store"
     r = slurm_build(slurm_cluster, cat, store, registries, "--wait")
     assert r.returncode == 0, r.stdout + r.stderr + slurm_cluster.logs()
-    assert "submitted envs " in r.stdout and "shard " in r.stdout and "(shards 0-3)" in r.stdout
+    assert "submitted shard " in r.stdout and "(shards 0-3)" in r.stdout
     assert "shards 4/4 done" in r.stderr and "done: every job of" in r.stdout
     assert comparable(store) == comparable(tmp_path / "one/store"), "same items, same digests"
 
     run = the_run(store)
     sub = run.submissions()[-1]
-    assert sub.shards == (0, 1, 2, 3) and set(sub.jobs) == {"envs", "shard", "merge"}
-    envs_log = run.log("envs", sub.jobs["envs"]).read_text()
-    assert "environment tiny: built" in envs_log and "environment spare: built" in envs_log
-    for k in range(4):
-        log = run.log("shard", f"{sub.jobs['shard']}_{k}").read_text()
-        assert "environment tiny: up to date" in log, "no shard builds an environment"
-        assert log.count("instance task-") == 2 and "instance task-" in log and ": built" in log
+    assert sub.shards == (0, 1, 2, 3) and set(sub.jobs) == {"shard", "merge"}
+    logs = [run.log("shard", f"{sub.jobs['shard']}_{k}").read_text() for k in range(4)]
+    assert sum("environment tiny: built" in log for log in logs) == 1, "built once, by the first shard to need it"
+    assert all("environment tiny: built" in log or "environment tiny: up to date" in log for log in logs)
+    assert "environment spare: built" in logs[0], "shard 0 builds the environments no instance uses"
+    for log in logs:
+        assert log.count("instance task-") == 2 and ": built" in log
     merge_log = run.log("merge", sub.jobs["merge"]).read_text()
     assert "merged 4 fragments" in merge_log and "0 missing, 0 corrupt" in merge_log
     status = slurm(slurm_cluster, "status", str(run.directory))
-    assert status.returncode == 0 and "envs done; shards 4/4 done; merge done" in status.stdout
+    assert status.returncode == 0 and "shards 4/4 done; merge done" in status.stdout
 
 
 def test_failed_shard_is_reported_and_resubmitted_after_the_fix(tmp_path, tiny_base, registries, slurm_cluster):
