@@ -62,10 +62,10 @@ import struct
 import sys
 import time
 
+from .cgroups import Cgroups, cgroup_limits, cgroup_verdict, locate_cgroups
 from .mounts import (CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWUSER, MS_NODEV, MS_NOSUID, MS_RDONLY, MS_REC,
-                     MS_SLAVE, PR_SET_DUMPABLE, PR_SET_PDEATHSIG, Cgroups, RootSpec, RunnerError, cgroup_limits,
-                     cgroup_verdict, dev_template, enter_root, fuse_mount, locate_cgroups, loop_mount, loopback_up,
-                     map_root, mount, prctl, setns, umount, unshare)
+                     MS_SLAVE, PR_SET_DUMPABLE, PR_SET_PDEATHSIG, RootSpec, RunnerError, dev_template, enter_root,
+                     fuse_mount, loop_mount, loopback_up, map_root, mount, prctl, setns, umount, unshare)
 
 __all__ = ["DEFAULT_MAX_PROCESSES", "IDLE_INIT", "INLINE_JOB", "holder_main", "recv_fds", "run_joined", "send_fds"]
 

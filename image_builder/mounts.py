@@ -1,5 +1,5 @@
 """The kernel side of the runtime: namespaces and mounts through libc, layer mounts
-(a loop device as root, squashfuse_ll rootless), per-run cgroups, and a run's root
+(a loop device as root, squashfuse_ll rootless), and a run's root
 (tmpfs upper and overlay over the layers, /proc, /dev, pivot_root). The holder
 (image_builder.holder) and its inits are built from these.
 
@@ -19,9 +19,8 @@ import struct
 
 from .errors import ImageBuilderError
 
-__all__ = ["Cgroups", "RootSpec", "RunnerError", "cgroup_limits", "cgroup_verdict", "dev_template", "enter_root",
-           "fuse_mount", "locate_cgroups", "loop_mount", "loopback_up", "map_root", "mount", "prctl", "setns",
-           "umount", "unshare"]
+__all__ = ["RootSpec", "RunnerError", "dev_template", "enter_root", "fuse_mount", "loop_mount", "loopback_up",
+           "map_root", "mount", "prctl", "read_file", "setns", "umount", "unshare", "write_file"]
 
 
 class RunnerError(ImageBuilderError):
@@ -94,7 +93,8 @@ def prctl(option: int, value: int) -> None:
     _ok(_libc.prctl(option, value, 0, 0, 0), f"prctl({option})")
 
 
-def _write(path: str, text: str, dir_fd: int | None = None) -> None:
+def write_file(path: str, text: str, dir_fd: int | None = None) -> None:
+    """Small files of /proc and /sys, in one write."""
     fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
         os.write(fd, text.encode())
@@ -102,7 +102,8 @@ def _write(path: str, text: str, dir_fd: int | None = None) -> None:
         os.close(fd)
 
 
-def _read(path: str, dir_fd: int | None = None) -> str:
+def read_file(path: str, dir_fd: int | None = None) -> str:
+    """A small file of /proc or /sys; "" where there is none."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError:
@@ -118,9 +119,9 @@ def _read(path: str, dir_fd: int | None = None) -> str:
 def map_root(uid: int, gid: int) -> None:
     """After unshare(CLONE_NEWUSER): root inside is uid/gid outside. One id each is
     what an unprivileged process may map for itself (setgroups must be denied first)."""
-    _write("/proc/self/setgroups", "deny")
-    _write("/proc/self/uid_map", f"0 {uid} 1")
-    _write("/proc/self/gid_map", f"0 {gid} 1")
+    write_file("/proc/self/setgroups", "deny")
+    write_file("/proc/self/uid_map", f"0 {uid} 1")
+    write_file("/proc/self/gid_map", f"0 {gid} 1")
 
 
 def _bind_readonly(source: str, target: str) -> None:
@@ -196,140 +197,6 @@ def fuse_mount(image: str, offset: int, target: str) -> None:
     if r.returncode:
         lines = r.stderr.decode(errors="replace").strip().splitlines() or [f"exit status {r.returncode}"]
         raise OSError(errno.EIO, f"squashfuse_ll {image}: {lines[-1]}")
-
-
-# --- cgroups ---------------------------------------------------------------------------------------
-
-
-def _own_cgroups() -> dict[str, str]:
-    """controller ("" for v2) -> our cgroup path."""
-    out = {}
-    for line in _read("/proc/self/cgroup").splitlines():
-        parts = line.split(":", 2)
-        if len(parts) == 3:
-            for controller in parts[1].split(","):
-                out[controller] = parts[2]
-    return out
-
-
-def locate_cgroups() -> tuple[str, str] | None:
-    """Where per-run cgroups can go, changing nothing: ("v2", dir), the nearest ancestor
-    of our cgroup v2 that we own and that hands memory and pids to its children (e.g.
-    systemd's user@UID.service); ("v1", dir) in the pids hierarchy as root on cgroup v1
-    (RLIMIT_NPROC never limits host root, which the kernel backend's runs are); None:
-    rlimits only."""
-    own = _own_cgroups()
-    fs = "/sys/fs/cgroup"
-    v2fs = fs if os.path.exists(f"{fs}/cgroup.controllers") else f"{fs}/unified"
-    if "" in own and os.path.exists(f"{v2fs}/cgroup.controllers"):
-        cg = os.path.normpath(f"{v2fs}/{own['']}")
-        while cg.startswith(v2fs):
-            try:
-                if (os.stat(cg).st_uid == os.getuid() and os.access(cg, os.W_OK)
-                        and {"memory", "pids"} <= set(_read(f"{cg}/cgroup.subtree_control").split())):
-                    return "v2", cg
-            except OSError:
-                break
-            cg = os.path.dirname(cg)
-    if os.geteuid() == 0 and "pids" in own and os.path.exists(f"{fs}/pids/cgroup.procs"):
-        return "v1", os.path.normpath(f"{fs}/pids/{own['pids']}")
-    return None
-
-
-def _rmdir_cgroups(path: str) -> None:
-    """Remove a cgroup tree left by a holder that was killed; busy cgroups stay."""
-    try:
-        with os.scandir(path) as entries:
-            subs = sorted((e.path for e in entries if e.is_dir()), reverse=True)
-    except FileNotFoundError:
-        return
-    for sub in subs:
-        try:
-            os.rmdir(sub)
-        except OSError:
-            pass
-    try:
-        os.rmdir(path)
-    except OSError:
-        pass
-
-
-def _host_pid() -> int:
-    """This process's pid in the pid namespace of /proc (the host's: a holder is pid 1 of its own)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("NSpid:"):
-                return int(line.split()[1])
-    return os.getpid()
-
-
-def _owner_alive(name: str) -> bool:
-    """Whether the holder named in image-builder-PID-TOKEN still runs (holders of other
-    state dirs share the parent cgroup: their empty trees are not stale)."""
-    pid = name.split("-")[2] if name.count("-") == 3 else ""
-    return pid.isdigit() and os.path.exists(f"/proc/{pid}")
-
-
-class Cgroups:
-    """image-builder-PID-TOKEN/rN, one cgroup per run (joined by its init before the run is
-    asked for: joining costs an RCU grace period), and on v2 holder/ for the holder."""
-
-    def __init__(self, kind: str, parent: str):
-        with os.scandir(parent) as entries:
-            stale = [e.path for e in entries
-                     if e.name.startswith("image-builder-") and e.is_dir() and not _owner_alive(e.name)]
-        for path in stale:
-            _rmdir_cgroups(path)  # of killed holders: only empty cgroups go
-        self.root = f"{parent}/image-builder-{_host_pid()}-{os.urandom(4).hex()}"
-        os.mkdir(self.root)
-        if kind == "v2":  # no internal processes: the holder lives in a leaf, runs in its siblings
-            os.mkdir(f"{self.root}/holder")
-            _write(f"{self.root}/holder/cgroup.procs", "0")
-            _write(f"{self.root}/cgroup.subtree_control", "+memory +pids")
-        self.counter = 0
-        self.trash: list[str] = []
-
-    def new(self) -> str:
-        self.counter += 1
-        path = f"{self.root}/r{self.counter}"
-        os.mkdir(path)
-        return path
-
-    def close(self) -> None:
-        self.remove()
-        _rmdir_cgroups(self.root)
-
-    def remove(self, path: str | None = None) -> None:
-        """Remove a run's cgroup once its processes are gone; retry busy ones later."""
-        pending, self.trash = self.trash + ([path] if path else []), []
-        for p in pending:
-            try:
-                os.rmdir(p)
-            except FileNotFoundError:
-                pass
-            except OSError:
-                self.trash.append(p)
-
-
-def cgroup_limits(cg: int, memory_mb: int | None, max_processes: int) -> bool:
-    """Set a run's limits in its cgroup; False if memory is not limited there (v1 pids)."""
-    _write("pids.max", str(max_processes), cg)
-    if not _read("memory.max", cg):
-        return False
-    _write("memory.max", str(memory_mb << 20) if memory_mb else "max", cg)
-    if _read("memory.swap.max", cg):  # absent without swap accounting
-        _write("memory.swap.max", "0" if memory_mb else "max", cg)
-    return True
-
-
-def cgroup_verdict(cg: int) -> tuple[bool | None, int | None]:
-    """(killed for memory, peak memory in KB) of a run's cgroup; None where unknown (v1)."""
-    events = _read("memory.events", cg)
-    if not events:
-        return None, None
-    counts = dict(ln.split()[:2] for ln in events.splitlines() if len(ln.split()) >= 2)
-    peak = _read("memory.peak", cg).strip()
-    return int(counts.get("oom_kill", "0")) > 0, (int(peak) // 1024 if peak.isdigit() else None)
 
 
 # --- a run's root (init side) --------------------------------------------------------------------
@@ -444,7 +311,7 @@ def enter_root(spec: RootSpec) -> tuple[int | None, int]:
     cgroup = None
     if spec.cgroup:
         cgroup = os.open(spec.cgroup, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        _write("cgroup.procs", "0", cgroup)
+        write_file("cgroup.procs", "0", cgroup)
     # pivot_root(".", ".") stacks the old root on the new one; detaching it leaves
     # nothing of the host in this mount namespace to escape to.
     pivot_root(".", ".")
@@ -454,7 +321,7 @@ def enter_root(spec: RootSpec) -> tuple[int | None, int]:
     map_root(0, 0)
     # Inherited by the command: in any out-of-memory kill, on the host or in a cgroup, a
     # run goes first (and of a run, its biggest process: the command, not this init).
-    _write("/proc/self/oom_score_adj", "1000")
+    write_file("/proc/self/oom_score_adj", "1000")
     return cgroup, upper_fd
 
 

@@ -51,7 +51,8 @@ from pathlib import Path
 
 from .execution import DEFAULT_PATH, Bind, RunRequest, RunResult
 from .holder import DEFAULT_MAX_PROCESSES, IDLE_INIT, INLINE_JOB, recv_fds, run_joined, send_fds
-from .mounts import RootSpec, RunnerError, locate_cgroups
+from .cgroups import locate_cgroups
+from .mounts import RootSpec, RunnerError
 
 __all__ = [
     "Backend",
@@ -60,7 +61,6 @@ __all__ = [
     "InstanceLayers",
     "RunnerError",
     "Session",
-    "apptainer_command",
     "detect_backend",
     "doctor",
     "open_session",
@@ -604,13 +604,3 @@ def run(layers: InstanceLayers, request: RunRequest, backend: Backend | None = N
     """One command in a session of its own."""
     with open_session(layers, backend=backend) as session:
         return session.run(request)
-
-
-def __getattr__(name: str):
-    """apptainer_command lives in image_builder.apptainer, which builds on this module's
-    types: it is imported on first use here, as the backends are in open_session."""
-    if name == "apptainer_command":
-        from .apptainer import apptainer_command
-
-        return apptainer_command
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -28,8 +28,9 @@ import pytest
 
 from image_builder.bases import debian_rootfs
 from image_builder.execution import RunRequest, RunResult
-from image_builder.mounts import Cgroups
-from image_builder.runtime import Backend, InstanceLayers, apptainer_command, detect_backend, doctor
+from image_builder.cgroups import Cgroups
+from image_builder.apptainer import apptainer_command
+from image_builder.runtime import Backend, InstanceLayers, detect_backend, doctor
 from image_builder.sif import write_sif
 from image_builder.squashfs import SquashOptions, pack
 

@@ -1,0 +1,144 @@
+"""Per-run cgroups: where they can go on this host (a delegated cgroup v2 subtree, or
+the v1 pids hierarchy as root), one cgroup per run under the holder's own tree, the
+run's limits in it and its memory verdict. Lean, like image_builder.mounts: the
+holder imports it.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .mounts import read_file, write_file
+
+__all__ = ["Cgroups", "cgroup_limits", "cgroup_verdict", "locate_cgroups"]
+
+
+def _own_cgroups() -> dict[str, str]:
+    """controller ("" for v2) -> our cgroup path."""
+    out = {}
+    for line in read_file("/proc/self/cgroup").splitlines():
+        parts = line.split(":", 2)
+        if len(parts) == 3:
+            for controller in parts[1].split(","):
+                out[controller] = parts[2]
+    return out
+
+
+def locate_cgroups() -> tuple[str, str] | None:
+    """Where per-run cgroups can go, changing nothing: ("v2", dir), the nearest ancestor
+    of our cgroup v2 that we own and that hands memory and pids to its children (e.g.
+    systemd's user@UID.service); ("v1", dir) in the pids hierarchy as root on cgroup v1
+    (RLIMIT_NPROC never limits host root, which the kernel backend's runs are); None:
+    rlimits only."""
+    own = _own_cgroups()
+    fs = "/sys/fs/cgroup"
+    v2fs = fs if os.path.exists(f"{fs}/cgroup.controllers") else f"{fs}/unified"
+    if "" in own and os.path.exists(f"{v2fs}/cgroup.controllers"):
+        cg = os.path.normpath(f"{v2fs}/{own['']}")
+        while cg.startswith(v2fs):
+            try:
+                if (os.stat(cg).st_uid == os.getuid() and os.access(cg, os.W_OK)
+                        and {"memory", "pids"} <= set(read_file(f"{cg}/cgroup.subtree_control").split())):
+                    return "v2", cg
+            except OSError:
+                break
+            cg = os.path.dirname(cg)
+    if os.geteuid() == 0 and "pids" in own and os.path.exists(f"{fs}/pids/cgroup.procs"):
+        return "v1", os.path.normpath(f"{fs}/pids/{own['pids']}")
+    return None
+
+
+def _rmdir_cgroups(path: str) -> None:
+    """Remove a cgroup tree left by a holder that was killed; busy cgroups stay."""
+    try:
+        with os.scandir(path) as entries:
+            subs = sorted((e.path for e in entries if e.is_dir()), reverse=True)
+    except FileNotFoundError:
+        return
+    for sub in subs:
+        try:
+            os.rmdir(sub)
+        except OSError:
+            pass
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
+
+
+def _host_pid() -> int:
+    """This process's pid in the pid namespace of /proc (the host's: a holder is pid 1 of its own)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("NSpid:"):
+                return int(line.split()[1])
+    return os.getpid()
+
+
+def _owner_alive(name: str) -> bool:
+    """Whether the holder named in image-builder-PID-TOKEN still runs (holders of other
+    state dirs share the parent cgroup: their empty trees are not stale)."""
+    pid = name.split("-")[2] if name.count("-") == 3 else ""
+    return pid.isdigit() and os.path.exists(f"/proc/{pid}")
+
+
+class Cgroups:
+    """image-builder-PID-TOKEN/rN, one cgroup per run (joined by its init before the run is
+    asked for: joining costs an RCU grace period), and on v2 holder/ for the holder."""
+
+    def __init__(self, kind: str, parent: str):
+        with os.scandir(parent) as entries:
+            stale = [e.path for e in entries
+                     if e.name.startswith("image-builder-") and e.is_dir() and not _owner_alive(e.name)]
+        for path in stale:
+            _rmdir_cgroups(path)  # of killed holders: only empty cgroups go
+        self.root = f"{parent}/image-builder-{_host_pid()}-{os.urandom(4).hex()}"
+        os.mkdir(self.root)
+        if kind == "v2":  # no internal processes: the holder lives in a leaf, runs in its siblings
+            os.mkdir(f"{self.root}/holder")
+            write_file(f"{self.root}/holder/cgroup.procs", "0")
+            write_file(f"{self.root}/cgroup.subtree_control", "+memory +pids")
+        self.counter = 0
+        self.trash: list[str] = []
+
+    def new(self) -> str:
+        self.counter += 1
+        path = f"{self.root}/r{self.counter}"
+        os.mkdir(path)
+        return path
+
+    def close(self) -> None:
+        self.remove()
+        _rmdir_cgroups(self.root)
+
+    def remove(self, path: str | None = None) -> None:
+        """Remove a run's cgroup once its processes are gone; retry busy ones later."""
+        pending, self.trash = self.trash + ([path] if path else []), []
+        for p in pending:
+            try:
+                os.rmdir(p)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                self.trash.append(p)
+
+
+def cgroup_limits(cg: int, memory_mb: int | None, max_processes: int) -> bool:
+    """Set a run's limits in its cgroup; False if memory is not limited there (v1 pids)."""
+    write_file("pids.max", str(max_processes), cg)
+    if not read_file("memory.max", cg):
+        return False
+    write_file("memory.max", str(memory_mb << 20) if memory_mb else "max", cg)
+    if read_file("memory.swap.max", cg):  # absent without swap accounting
+        write_file("memory.swap.max", "0" if memory_mb else "max", cg)
+    return True
+
+
+def cgroup_verdict(cg: int) -> tuple[bool | None, int | None]:
+    """(killed for memory, peak memory in KB) of a run's cgroup; None where unknown (v1)."""
+    events = read_file("memory.events", cg)
+    if not events:
+        return None, None
+    counts = dict(ln.split()[:2] for ln in events.splitlines() if len(ln.split()) >= 2)
+    peak = read_file("memory.peak", cg).strip()
+    return int(counts.get("oom_kill", "0")) > 0, (int(peak) // 1024 if peak.isdigit() else None)
