@@ -104,7 +104,7 @@ class Cgroups:
     def new(self) -> str:
         self.counter += 1
         path = f"{self.root}/r{self.counter}"
-        os.mkdir(path)
+        os.makedirs(path)  # v1: an older image-builder's holder starting meanwhile may have removed our empty tree
         return path
 
     def close(self) -> None:

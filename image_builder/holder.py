@@ -323,6 +323,10 @@ class Holder:
         self.stacks: dict[tuple, _Mounted] = {}
         self.sessions: dict[socket.socket, _Session] = {}
         self.inits: dict[int, _Init] = {}
+        # A ready init (made when, its control socket) per lingering session spec: a fresh
+        # process's session (`image-builder run`, once per command) starts on it instead of
+        # waiting 10-20 ms for one to be forked and set up (joining a cgroup waits for RCU).
+        self.spares: dict[tuple, tuple[float, socket.socket]] = {}
         self.free_netns: list[int] = []
         self.counter = 0
         self.pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
@@ -391,6 +395,8 @@ class Holder:
                 if left > 0:
                     due = left if due is None else min(due, left)
                     continue
+                for spec_key in [k for k in self.spares if k[0] == m.path]:
+                    self.spares.pop(spec_key)[1].close()  # EOF: the init leaves
                 umount(m.path)
                 os.rmdir(m.path)
                 del table[key]
@@ -445,6 +451,10 @@ class Holder:
                 raise RunnerError("cannot make a network namespace; see holder.log in the state dir")
         return self.free_netns.pop()
 
+    @staticmethod
+    def _spare_key(sess: _Session) -> tuple:
+        return sess.spec["lower"], sess.spec["binds"], sess.spec["scratch_mb"]
+
     def _fork_init(self, sess: _Session, network: bool) -> socket.socket:
         """A new init for `sess`; returns the session's end of its control socket."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -475,7 +485,7 @@ class Holder:
         control socket), so that no EOF anyone waits for is held up by this process."""
         gc.disable()  # no finaliser may close a descriptor number that gets reused
         signal.set_wakeup_fd(-1)
-        for s in (self.listener, session_end, *self.conns.values()):
+        for s in (self.listener, session_end, *self.conns.values(), *(ctl for _, ctl in self.spares.values())):
             s.close()
         for fd in (self.wake_r, self.wake_w, self.pidns, *self.free_netns):
             os.close(fd)
@@ -516,8 +526,12 @@ class Holder:
                 self._open(conn, msg)
             elif sess is not None and msg.get("op") == "init":
                 network = bool(msg["network"])
+                made, ctl = self.spares.pop(self._spare_key(sess), (0.0, None)) if not network else (0.0, None)
+                if ctl is not None and time.monotonic() - made > IDLE_INIT / 2:  # it leaves soon
+                    ctl.close()
+                    ctl = None
                 try:
-                    ctl = self._fork_init(sess, network)
+                    ctl = ctl or self._fork_init(sess, network)
                 except (OSError, RunnerError) as e:  # answered in order, like the others
                     send_fds(conn, {"network": network, "error": str(e)})
                     return
@@ -538,6 +552,11 @@ class Holder:
         if sess is not None:  # a session ends with its connection
             del self.sessions[conn]
             self._release(sess.stack, sess.linger)
+            if sess.linger and self._spare_key(sess) not in self.spares:
+                try:
+                    self.spares[self._spare_key(sess)] = (time.monotonic(), self._fork_init(sess, False))
+                except (OSError, RunnerError):
+                    pass  # the next session forks its own
         self.poller.unregister(conn)
         del self.conns[conn.fileno()]
         conn.close()

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -145,6 +144,8 @@ def write_index(store: Path, index: Index) -> Path:
 
 
 def _write_lookup(store: Path, index: Index, stamp: str) -> None:
+    import tempfile  # not on the run path, which only reads
+
     fd, tmp = tempfile.mkstemp(dir=store, prefix=f".{LOOKUP_NAME}.")
     os.close(fd)
     try:

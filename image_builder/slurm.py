@@ -146,8 +146,9 @@ class Run:
         directory = Path(directory).resolve()
         try:
             doc = json.loads((directory / RUN_FILE).read_text())
-            return cls(directory, doc["kind"], doc["shards"], tuple(doc["stages"]), doc["array"],
-                       Path(doc["product"]))
+            # Runs written before grading had a plan name no kind or product: builds of their store.
+            return cls(directory, doc.get("kind", "build"), doc["shards"], tuple(doc["stages"]), doc["array"],
+                       Path(doc.get("product") or Path(doc.get("store", directory.parents[1])) / "index.json"))
         except (OSError, ValueError, KeyError, TypeError):
             raise SlurmError(f"{directory}: not a Slurm run of image-builder (no readable {RUN_FILE})") from None
 

@@ -20,12 +20,8 @@
 from __future__ import annotations
 
 import os
-import secrets
-import shutil
 import stat
 import struct
-import subprocess
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -283,7 +279,7 @@ def _error_line(stderr: str, returncode: int) -> str:
 def _new_temp(dest: Path) -> Path:
     """Create an empty, unique file next to dest (mode 0666 minus umask)."""
     for _ in range(100):
-        tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+        tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
         try:
             os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
         except FileExistsError:
@@ -321,6 +317,12 @@ def pack(
         raise SquashfsError(f"cannot pack {src}: not a directory")
     if not dest.parent.is_dir():
         raise SquashfsError(f"cannot write {dest}: {dest.parent} is not a directory")
+    # Here, not at the top: `image-builder run` reads superblocks, and each of these costs
+    # milliseconds to import on its path.
+    import shutil
+    import subprocess
+    import tempfile
+
     _check_pseudo(src, pseudo)
     tool = shutil.which("mksquashfs")
     if tool is None:
@@ -370,6 +372,8 @@ def pack(
 def list_paths(image: Path, rel: str, offset: int = 0) -> list[str]:
     """The paths at and under `rel` in a squashfs image (at `offset`, e.g. in a SIF), as
     "/rel/...", read with `unsquashfs -l` without mounting; [] when `rel` is absent."""
+    import subprocess
+
     out = subprocess.run(["unsquashfs", "-o", str(offset), "-d", "", "-l", str(image), rel],
                          capture_output=True, text=True).stdout
     return [line for line in out.splitlines() if line.startswith("/")]

@@ -16,7 +16,6 @@ or rsynced to a shared filesystem and still resolve.
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import stat
 from dataclasses import dataclass, field
@@ -34,6 +33,8 @@ def remove_tree(path: Path) -> None:
         if os.path.isdir(p) and not os.path.islink(p):
             os.chmod(p, os.stat(p).st_mode | stat.S_IRWXU)
         func(p)
+
+    import shutil  # not on the run path
 
     if path.is_symlink() or path.is_file():
         path.unlink()

@@ -423,6 +423,20 @@ def test_an_untouched_root_serves_the_next_run_and_nothing_carries_over(case):
             assert after == ["2", "755", "1", "0"], f"after {what}: a fresh root ({after})"
 
 
+@pytest.mark.parametrize("case", ["kernel", "userns"], indirect=True)
+def test_a_lingering_session_leaves_a_ready_init_for_the_next_process(case):
+    """`image-builder run` is one session per process: with linger, the holder keeps an init
+    set up for the next one, whose first run then need not wait for a fork and the mounts."""
+    age = py("import os; up = float(open('/proc/uptime').read().split()[0]); "
+             "start = int(open('/proc/1/stat').read().rsplit(')', 1)[1].split()[19]); "
+             "print(round(up - start / os.sysconf('SC_CLK_TCK'), 2))")
+    first = case.run(case.req(age), linger=5.0)[0]
+    time.sleep(1.0)
+    second = case.run(case.req(age), linger=5.0)[0]
+    assert float(first.stdout) < 0.8, "the first process's init was made for it"
+    assert float(second.stdout) >= 0.9, "the second process's first run used the init made in between"
+
+
 def test_writes_do_not_outlive_the_session(case):
     case.one(["sh", "-c", "echo new > /testbed/new.txt"])
     assert case.one(py("import os; print(os.path.exists('/testbed/new.txt'))")).stdout == b"False\n"
