@@ -418,38 +418,35 @@ class Holder:
         self.sessions[conn] = _Session(stack, spec, msg["linger"])
         send_fds(conn, {"spec": spec})
 
-    def _netns(self) -> int:
-        """An isolated network namespace with lo up. Making one costs about 2.5 ms of CPU
-        here (and more to tear down), so each is reused, by one run after another: a run
-        holds it alone, and what it leaves behind dies with its processes."""
-        if not self.free_netns:
-            # A child makes them: without privileges on the host's namespace, a process
-            # that leaves it cannot come back.
-            parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            pid = os.fork()
-            if pid == 0:
-                try:
-                    for _ in range(_NETNS_BATCH):
-                        unshare(CLONE_NEWNET)
-                        loopback_up()
-                        fd = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-                        send_fds(child, {}, [fd])
-                        os.close(fd)
-                finally:
-                    os._exit(0)
-            child.close()
+    def _fill_netns(self) -> None:
+        """Isolated network namespaces with lo up, for the next inits. Making one costs
+        about 2.5 ms of CPU here (and more to tear down), so each is reused, by one run
+        after another: a run holds it alone, and what it leaves behind dies with its
+        processes. Where none can be made, inits make their own (and say why not)."""
+        # A child makes them: without privileges on the host's namespace, a process that
+        # leaves it cannot come back.
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid = os.fork()
+        if pid == 0:
             try:
-                while len(self.free_netns) < _NETNS_BATCH:
-                    msg, fds = recv_fds(parent, 1)
-                    if msg is None:
-                        break
-                    self.free_netns.extend(fds)
+                for _ in range(_NETNS_BATCH):
+                    unshare(CLONE_NEWNET)
+                    loopback_up()
+                    fd = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+                    send_fds(child, {}, [fd])
+                    os.close(fd)
             finally:
-                parent.close()
-                os.waitpid(pid, 0)
-            if not self.free_netns:
-                raise RunnerError("cannot make a network namespace; see holder.log in the state dir")
-        return self.free_netns.pop()
+                os._exit(0)
+        child.close()
+        try:
+            while len(self.free_netns) < _NETNS_BATCH:
+                msg, fds = recv_fds(parent, 1)
+                if msg is None:
+                    break
+                self.free_netns.extend(fds)
+        finally:
+            parent.close()
+            os.waitpid(pid, 0)
 
     @staticmethod
     def _spare_key(sess: _Session) -> tuple:
@@ -459,7 +456,8 @@ class Holder:
         """A new init for `sess`; returns the session's end of its control socket."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         cgroup = self.cgroups.new() if self.cgroups else None
-        netns = None if network else self._netns()
+        # With none in the pool (a new holder), the init makes its own rather than wait for a batch.
+        netns = self.free_netns.pop() if not network and self.free_netns else None
         spec = RootSpec(network=network, cgroup=cgroup, netns=netns, **sess.spec)
         unshare(CLONE_NEWPID)  # for the next child only: undone right after the fork
         try:
@@ -539,6 +537,8 @@ class Holder:
                     send_fds(conn, {"network": network}, [ctl.fileno()])
                 finally:
                     ctl.close()
+                if not self.free_netns:  # after the answer: the session is not kept waiting
+                    self._fill_netns()
             else:
                 raise ValueError(f"unexpected message {str(msg)[:80]}")
             return
