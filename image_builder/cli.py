@@ -753,6 +753,13 @@ def _slurm_report(run, snap) -> None:
         sys.exit(1)
     if snap.finished:
         click.echo(f"done: every job of {run.directory} succeeded; made {run.product}")
+        if run.kind == "grade":
+            from .grading import summary_path
+            path = summary_path(run.product)
+            if path.exists():
+                summary = json.loads(path.read_text())
+                click.echo(f"{summary['total']} tasks: {summary['passed']} passed ({summary['pass_rate']:.1%}), "
+                           f"mean score {summary['mean_score']:.3f}; summary: {path}")
 
 
 if __name__ == "__main__":

@@ -268,6 +268,8 @@ def test_slurm_grade_equals_local_grade(tmp_path, mbpp_store, slurm_cluster):
     r = slurm(slurm_cluster, "grade", *common, "-o", str(out), "--shards", "4", "--wait", "--poll", "0.5")
     assert r.returncode == 0, r.stdout + r.stderr + slurm_cluster.logs()
     assert "shards 4/4 done" in r.stderr and f"succeeded; made {out}" in r.stdout
+    assert f"40 tasks: 26 passed (65.0%), mean score 0.650; summary: {tmp_path / 'arr/results.summary.json'}" \
+        in r.stdout
     assert sorted(verdicts(out)) == sorted(verdicts(tmp_path / "local/results.jsonl")), "same results"
     assert [v[0] for v in verdicts(out)] == [p.task_id for p in load_predictions(preds)], "in the predictions' order"
     summary = json.loads((tmp_path / "arr/results.summary.json").read_text())
