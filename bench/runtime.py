@@ -95,11 +95,11 @@ def worker(layers_json: str, state_dir: str) -> None:
 
 
 class Worker:
-    def __init__(self, layers: dict, state_dir: Path):
+    def __init__(self, layers: dict, state_dir: Path, env: dict | None = None):
         cmd = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-m",
                "bench.runtime", "--worker", json.dumps(layers), str(state_dir)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT, text=True,
-                                     env={**os.environ, "HOME": str(state_dir), "USER": "nobody"})
+                                     env={**os.environ, "HOME": str(state_dir), "USER": "nobody", **(env or {})})
         self.ask_raw(None)
 
     def ask_raw(self, req: dict | None) -> dict:
@@ -180,6 +180,7 @@ def main(rounds: int = 40) -> Report:
         wire = {"env_sif": str(img["env_sif"]), "overlays": [str(img["inst_sqfs"])]}
         chrun_env = {"USER": "nobody", "PATH": "/usr/bin:/bin"}
         nobody = Worker(wire, nobody_state)
+        unpacked = Worker(wire, nobody_state, {"IMAGE_BUILDER_UNPACK_DIR": str(nobody_state / "unpacked")})
         with open_session(layers, backend=Backend.KERNEL, state_dir=work / "state-kernel") as kernel:
             for _ in range(5):
                 ours(kernel)
@@ -187,6 +188,7 @@ def main(rounds: int = 40) -> Report:
                 "chroot DIR": lambda: command(["chroot", tree, *PASS]),
                 "ours kernel": lambda: ours(kernel),
                 "ours userns": lambda: nobody.ask({"op": "ours"}),
+                "ours userns, unpacked": lambda: unpacked.ask({"op": "ours"}),
                 "ch-run DIR": lambda: nobody.ask({"op": "cmd", "argv": [ch_run, tree, "--", *PASS], "env": chrun_env}),
                 "ch-run FILE.sqfs": lambda: nobody.ask(
                     {"op": "cmd", "argv": [ch_run, str(img["root_sqfs"]), "--", *PASS], "env": chrun_env}),
@@ -199,7 +201,7 @@ def main(rounds: int = 40) -> Report:
                 for name, measure in contestants.items():
                     samples[name].append(measure())
             ms = {name: statistics.median(v) * 1000 for name, v in samples.items()}
-            for backend in ("kernel", "userns"):
+            for backend in ("kernel", "userns", "userns, unpacked"):
                 o = ms[f"ours {backend}"]
                 report.rows.append(Row(f"python3 -c pass, warm ({backend})", o, "chroot DIR", ms["chroot DIR"],
                                        "<= 1.2x", "ms"))
@@ -223,9 +225,9 @@ def main(rounds: int = 40) -> Report:
             rates = {}
             for argv, what in ((PASS, "python3 -c pass"), (WRITE, "python3 writing /tmp/x")):
                 chroot_rate = throughput(lambda: subprocess.run(["chroot", tree, *argv], check=True))
-                for backend in ("kernel", "userns"):
-                    rates[what, backend] = rate = (throughput(lambda: ours(kernel, argv)) if backend == "kernel"
-                                                   else nobody.ask({"op": "throughput", "argv": argv}))
+                for backend, worker_ in (("kernel", None), ("userns", nobody), ("userns, unpacked", unpacked)):
+                    rates[what, backend] = rate = (throughput(lambda: ours(kernel, argv)) if worker_ is None
+                                                   else worker_.ask({"op": "throughput", "argv": argv}))
                     report.rows.append(Row(f"{THROUGHPUT_RUNS} runs of {what}, {WORKERS} workers ({backend})", rate,
                                            f"chroot DIR, {WORKERS} workers", chroot_rate, ">= 0.9x", "runs/s"))
             isolated = [bwrap, "--unshare-all", "--die-with-parent", "--bind", tree, "/", "--proc", "/proc",
@@ -237,12 +239,15 @@ def main(rounds: int = 40) -> Report:
                                    cli_run(work, img) * 1000, "ch-run FILE.sqfs", ms["ch-run FILE.sqfs"],
                                    "< 100 ms", "ms"))
         nobody.close()
+        unpacked.close()
         load = os.getloadavg()
         report.notes += [
             f"{rounds} interleaved rounds, medians; load average at the end {load[0]:.1f} (a shared machine)",
             "root: chroot, ours kernel, bwrap, bare python; uid 65534: ours userns, ch-run (timed in-process there)",
             "ours: a session's run (RunRequest, stdin /dev/null, output captured); chroot etc.: subprocess.run",
             "the warm rows are a session's run; the CLI row is a whole fresh `image-builder run` process",
+            "userns, unpacked: the environment unpacked once into a local directory (unpack_dir, "
+            "$IMAGE_BUILDER_UNPACK_DIR) instead of squashfuse",
             "throughput: a run that leaves its root untouched (python3 -c pass) gets its init and root back for "
             "the next run; one that writes (python3 writing /tmp/x) gets a fresh root: fork, namespaces, "
             "a dozen mounts, about what bwrap --unshare-all pays",

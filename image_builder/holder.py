@@ -39,6 +39,7 @@ Why it is built this way (figures from one of these 2-core VMs):
 Protocol (SOCK_SEQPACKET, marshal: both ends are the same interpreter, the
 socket name says which; descriptors passed with SCM_RIGHTS):
   session -> holder  {"op": "open", "layers": [(path, offset, size)...], "binds": [(src, dest, ro)...],
+                      (size -1: path is a directory, bound read-only)
                       "linger": s, "scratch_mb": n}        answer {"spec": {...}} or {"error": text}
   session -> holder  {"op": "init", "network": b}          answer {"network": b} + the init's control socket
   session -> init    {"argv", "env", "workdir", "files": {path: bytes}, "timeout", "memory_mb",
@@ -64,8 +65,8 @@ import time
 
 from .cgroups import Cgroups, cgroup_limits, cgroup_verdict, locate_cgroups
 from .mounts import (CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWUSER, MS_NODEV, MS_NOSUID, MS_RDONLY, MS_REC,
-                     MS_SLAVE, PR_SET_DUMPABLE, PR_SET_PDEATHSIG, RootSpec, RunnerError, dev_template, enter_root,
-                     fuse_mount, loop_mount, loopback_up, map_root, mount, prctl, setns, umount, unshare)
+                     MS_SLAVE, PR_SET_DUMPABLE, PR_SET_PDEATHSIG, RootSpec, RunnerError, bind_readonly, dev_template,
+                     enter_root, fuse_mount, loop_mount, loopback_up, map_root, mount, prctl, setns, umount, unshare)
 
 __all__ = ["DEFAULT_MAX_PROCESSES", "IDLE_INIT", "INLINE_JOB", "holder_main", "recv_fds", "run_joined", "send_fds"]
 
@@ -350,7 +351,9 @@ class Holder:
         if layer is None:
             target = self._dir("l")
             try:
-                if self.kernel:
+                if size < 0:  # a directory: an environment unpacked ahead (runtime's unpack_dir)
+                    bind_readonly(path, target)
+                elif self.kernel:
                     loop_mount(path, offset, size, target)
                 else:
                     fuse_mount(path, offset, target)

@@ -19,8 +19,8 @@ import struct
 
 from .errors import ImageBuilderError
 
-__all__ = ["RootSpec", "RunnerError", "dev_template", "enter_root", "fuse_mount", "loop_mount", "loopback_up",
-           "map_root", "mount", "prctl", "read_file", "setns", "umount", "unshare", "write_file"]
+__all__ = ["RootSpec", "RunnerError", "bind_readonly", "dev_template", "enter_root", "fuse_mount", "loop_mount",
+           "loopback_up", "map_root", "mount", "prctl", "read_file", "setns", "umount", "unshare", "write_file"]
 
 
 class RunnerError(ImageBuilderError):
@@ -124,7 +124,7 @@ def map_root(uid: int, gid: int) -> None:
     write_file("/proc/self/gid_map", f"0 {gid} 1")
 
 
-def _bind_readonly(source: str, target: str) -> None:
+def bind_readonly(source: str, target: str) -> None:
     mount(source, target, None, MS_BIND | MS_REC)
     keep = sum(ms for st, ms in _KEEP_FLAGS if os.statvfs(target).f_flag & st)
     mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | keep)
@@ -292,7 +292,7 @@ def enter_root(spec: RootSpec) -> tuple[int | None, int]:
     if not spec.userxattr:  # root inside is host root: its files there are not for the run
         for p in PROC_READONLY:
             if os.path.exists(f"proc/{p}"):
-                _bind_readonly(f"proc/{p}", f"proc/{p}")
+                bind_readonly(f"proc/{p}", f"proc/{p}")
         for p in PROC_MASKED:
             if os.path.exists(f"proc/{p}"):
                 mount(f"{spec.base}/dev/null", f"proc/{p}", None, MS_BIND)
@@ -304,7 +304,7 @@ def enter_root(spec: RootSpec) -> tuple[int | None, int]:
     for src, dest, readonly in spec.binds:
         target = _mountpoint(dest, os.path.isdir(src))
         if readonly:
-            _bind_readonly(src, target)
+            bind_readonly(src, target)
         else:
             mount(src, target, None, MS_BIND | MS_REC)
     _ok(_libc.sethostname(b"sandbox", 7), "sethostname")

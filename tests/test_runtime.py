@@ -380,6 +380,27 @@ def test_instance_layer_adds_deletes_and_hides(case):
     assert case.one(py(code)).stdout == b"False True hello from the instance ['note.txt']\n"
 
 
+@pytest.mark.parametrize("case", ["userns"], indirect=True)
+def test_an_unpacked_environment_serves_runs_without_squashfuse(case):
+    """unpack_dir: the environment unpacked once on local disk instead of squashfuse; the
+    instance layer (whiteouts and all) still mounted, runs' writes still thrown away."""
+    unpack = case.state_dir / "unpacked"
+    layer = py("import os; print(os.path.exists('/etc/issue'), os.path.exists('/etc/debian_version'), "
+               "open('/testbed/hello.txt').read().strip(), sorted(os.listdir('/usr/share/doc')))")
+    write = case.req(["sh", "-c", "echo x >> /etc/debian_version && rm /etc/hostname"])
+    check = case.req(py("import os; print(open('/etc/debian_version').read().strip(), os.path.exists('/etc/hostname'))"))
+    inode = case.req(py("import os; print(os.stat('/usr/bin/python3', follow_symlinks=False).st_ino)"))
+    first = case.run(case.req(layer), write, check, inode, unpack_dir=str(unpack))
+    assert first[0].stdout == b"False True hello from the instance ['note.txt']\n"
+    assert first[1].exit_code == 0 and first[2].stdout.decode().endswith(" True\n") and "x" not in first[2].stdout.decode()
+    [tree] = unpack.glob("*/tree")
+    assert (tree / "etc/hostname").exists() and "x" not in (tree / "etc/debian_version").read_text()
+    assert int(first[3].stdout) == (tree / "usr/bin/python3").lstat().st_ino, "the files are the unpacked ones"
+    made = (tree.parent / "listing.marshal").stat().st_mtime_ns
+    assert case.run(check, unpack_dir=str(unpack))[0].exit_code == 0
+    assert (tree.parent / "listing.marshal").stat().st_mtime_ns == made, "unpacked once, then reused"
+
+
 # Not extract: its writable layer is the session's tree (documented); the next test covers it.
 @pytest.mark.parametrize("case", ["kernel", "userns"], indirect=True)
 def test_writes_are_thrown_away_after_each_run(case):
