@@ -653,18 +653,14 @@ sbatch_options = [
 @_one_line_errors
 def slurm_build(catalog, store, shards, partition, time_limit, cpus_per_task, sbatch_args, bases, compression,
                 cache_dir, ca_cert, plain_http, insecure_tls, wait, poll):
-    """Build CATALOG into STORE as Slurm jobs: environments, then the instances as a job array, then the index."""
-    import os
+    """Build CATALOG into STORE as Slurm jobs: the instances as a job array (each shard building the environments
+    it needs, each environment once), then the index."""
     from . import slurm
     plan = slurm.build_plan(catalog, store, shards, bases=_parse_bases(bases), cache_dir=cache_dir, ca_cert=ca_cert,
                             plain_http=plain_http, insecure_tls=insecure_tls, compression=compression)
-    sbatch = slurm.SbatchOptions(partition, time_limit, cpus_per_task, sbatch_args)
-    run = slurm.write_run(plan, sbatch, dict(os.environ))
     for stale in slurm.drop_other_fragments(plan.home, shards):
         click.echo(f"removed {stale}: a fragment of an earlier build in another number of shards", err=True)
-    _submitted(run, slurm.submit(run))
-    if wait:
-        _slurm_follow(run, poll)
+    _launch(plan, slurm.SbatchOptions(partition, time_limit, cpus_per_task, sbatch_args), wait, poll)
 
 
 @slurm_group.command(name="grade")
@@ -682,14 +678,19 @@ def slurm_build(catalog, store, shards, partition, time_limit, cpus_per_task, sb
 def slurm_grade(store, tasks, predictions, output, shards, partition, time_limit, cpus_per_task, sbatch_args,
                 timeout, memory, strict, access, backend, wait, poll):
     """Grade PREDICTIONS as a Slurm job array (each task grading --cpus-per-task at once), then merge the results."""
-    import os
     from . import slurm
     grade_args = [*(("--timeout", str(timeout)) if timeout else ()), *(("--memory", str(memory)) if memory else ()),
                   *(("--strict",) if strict else ()), "--test-access", access,
                   *(("--backend", backend) if backend else ())]
     plan = slurm.grade_plan(store, tasks, predictions, output, shards, tuple(grade_args))
-    run = slurm.write_run(plan, slurm.SbatchOptions(partition, time_limit, cpus_per_task, sbatch_args),
-                          dict(os.environ))
+    _launch(plan, slurm.SbatchOptions(partition, time_limit, cpus_per_task, sbatch_args), wait, poll)
+
+
+def _launch(plan, sbatch, wait: bool, poll: float) -> None:
+    """Write the run's scripts, submit them, and with --wait follow the jobs to the end."""
+    import os
+    from . import slurm
+    run = slurm.write_run(plan, sbatch, dict(os.environ))
     _submitted(run, slurm.submit(run))
     if wait:
         _slurm_follow(run, poll)
