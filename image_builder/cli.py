@@ -691,9 +691,7 @@ def _launch(plan, sbatch, wait: bool, poll: float) -> None:
     import os
     from . import slurm
     run = slurm.write_run(plan, sbatch, dict(os.environ))
-    _submitted(run, slurm.submit(run))
-    if wait:
-        _slurm_follow(run, poll)
+    _submitted(run, slurm.submit(run), wait, poll)
 
 
 @slurm_group.command(name="status")
@@ -721,18 +719,19 @@ def slurm_resubmit(run_dir, wait, poll):
     """Submit again the failed shards of RUN, and the jobs after them; finished items are not rebuilt."""
     from . import slurm
     run = slurm.Run.open(run_dir)
-    _submitted(run, slurm.resubmit(run))
-    if wait:
-        _slurm_follow(run, poll)
+    _submitted(run, slurm.resubmit(run), wait, poll)
 
 
-def _submitted(run, submission) -> None:
+def _submitted(run, submission, wait: bool, poll: float) -> None:
+    """Say what was submitted and how to follow it; with --wait, follow it to the end."""
     from .slurm import format_indices
     jobs = ", ".join(f"{stage} {job}" + (f" (shards {format_indices(submission.shards)})" if stage == run.array else "")
                      for stage, job in submission.jobs.items())
     click.echo(f"submitted {jobs}")
     click.echo(f"run: {run.directory}  (job.sh, submit.sh, logs/)")
     click.echo(f"follow: image-builder slurm status {run.directory} --wait")
+    if wait:
+        _slurm_follow(run, poll)
 
 
 def _slurm_follow(run, poll: float) -> None:
