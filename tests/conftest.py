@@ -33,6 +33,8 @@ def pytest_sessionstart(session):
     missing = [t for t in REQUIRED_TOOLS if shutil.which(t) is None]
     if missing:  # never skip: the suite is only meaningful with the real tools
         raise pytest.UsageError(f"missing tools {missing}: run `make test`, which installs them")
+    if os.geteuid() != 0:  # the rootless paths are tested by dropping to uid 65534 from root
+        raise pytest.UsageError("run the tests as root (`make test`): they drop to an unprivileged user themselves")
 
 
 @pytest.fixture(scope="session", autouse=True)
