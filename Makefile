@@ -7,21 +7,24 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 # Runtime tools, then the ones only the tests and benchmarks use.
 APT_RUNTIME = python3-venv squashfs-tools squashfuse fuse-overlayfs fuse3 proot util-linux git ca-certificates
+# To build image_builder/native/squashfuse_cached.
+APT_BUILD   = gcc libc6-dev pkg-config libfuse3-dev libsquashfuse-dev
 APT_TEST    = docker-registry siftool skopeo debootstrap openssl munge slurmctld slurmd slurm-client
 # One binary per package, to tell whether the packages are already there.
 APT_PROBES  = mksquashfs squashfuse_ll fuse-overlayfs proot unshare git docker-registry siftool skopeo debootstrap openssl \
               munged slurmctld slurmd sbatch
 
-.PHONY: all setup host venv test demo bench clean
+.PHONY: all setup host venv native test demo bench clean
 
 all: test
 
 host:
 	@missing=""; for t in $(APT_PROBES); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
 	$(PYTHON) -c 'import ensurepip' 2>/dev/null || missing="$$missing python3-venv"; \
+	pkg-config --exists squashfuse_ll fuse3 2>/dev/null || missing="$$missing libsquashfuse-dev"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing system packages (missing:$$missing)"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(APT_RUNTIME) $(APT_TEST) >/dev/null; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(APT_RUNTIME) $(APT_BUILD) $(APT_TEST) >/dev/null; \
 	fi
 
 $(VENV)/.installed: pyproject.toml
@@ -31,7 +34,14 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
-setup: host venv
+# squashfuse_ll with the kernel's FUSE caches on; the runtime finds it beside the venv's python.
+$(VENV)/bin/squashfuse_cached: image_builder/native/squashfuse_cached.c $(VENV)/.installed
+	cc -O2 -Wall -Werror -o $@.tmp $< $$(pkg-config --cflags --libs squashfuse_ll fuse3)
+	mv $@.tmp $@
+
+native: $(VENV)/bin/squashfuse_cached
+
+setup: host venv native
 
 test: setup
 	$(PY) -m pytest tests $(PYTEST_ARGS)

@@ -2,7 +2,8 @@
 
 Warm start-up is one interleaved loop, every contestant once per round, so that the
 load of a shared machine falls on all of them alike: plain `chroot DIR` (root), our
-kernel backend (root), our userns backend (uid 65534), `ch-run` on the directory and on
+kernel backend (root), our userns backend (uid 65534; with squashfuse_cached, with
+Debian's squashfuse_ll, and unpacked), `ch-run` on the directory and on
 a .sqfs of it (uid 65534), `bwrap --bind DIR /` (root) and bare python on the host.
 The rootless contestants are timed inside a worker process running as uid 65534, so no
 setpriv start-up is counted. Then cold starts (a new holder: open a session, first
@@ -169,9 +170,10 @@ def main(rounds: int = 40) -> Report:
     ch_run, bwrap = need("ch-run"), need("bwrap")
     work = Path(tempfile.mkdtemp(prefix="ib-bench-runtime-"))
     work.chmod(0o755)
-    nobody_state = work / "state-userns"
-    nobody_state.mkdir()
-    os.chown(nobody_state, NOBODY, NOBODY)
+    nobody_state, plain_state = work / "state-userns", work / "state-userns-ll"
+    for d in (nobody_state, plain_state):  # a holder per state dir: each mounts with its own squashfuse
+        d.mkdir()
+        os.chown(d, NOBODY, NOBODY)
     report = Report("runtime")
     try:
         img = images(work)
@@ -181,6 +183,8 @@ def main(rounds: int = 40) -> Report:
         chrun_env = {"USER": "nobody", "PATH": "/usr/bin:/bin"}
         nobody = Worker(wire, nobody_state)
         unpacked = Worker(wire, nobody_state, {"IMAGE_BUILDER_UNPACK_DIR": str(nobody_state / "unpacked")})
+        plain = Worker(wire, plain_state, {"IMAGE_BUILDER_SQUASHFUSE": "squashfuse_ll"})
+        userns = (("userns", nobody), ("userns, unpacked", unpacked), ("userns, squashfuse_ll", plain))
         with open_session(layers, backend=Backend.KERNEL, state_dir=work / "state-kernel") as kernel:
             for _ in range(5):
                 ours(kernel)
@@ -189,6 +193,7 @@ def main(rounds: int = 40) -> Report:
                 "ours kernel": lambda: ours(kernel),
                 "ours userns": lambda: nobody.ask({"op": "ours"}),
                 "ours userns, unpacked": lambda: unpacked.ask({"op": "ours"}),
+                "ours userns, squashfuse_ll": lambda: plain.ask({"op": "ours"}),
                 "ch-run DIR": lambda: nobody.ask({"op": "cmd", "argv": [ch_run, tree, "--", *PASS], "env": chrun_env}),
                 "ch-run FILE.sqfs": lambda: nobody.ask(
                     {"op": "cmd", "argv": [ch_run, str(img["root_sqfs"]), "--", *PASS], "env": chrun_env}),
@@ -201,7 +206,7 @@ def main(rounds: int = 40) -> Report:
                 for name, measure in contestants.items():
                     samples[name].append(measure())
             ms = {name: statistics.median(v) * 1000 for name, v in samples.items()}
-            for backend in ("kernel", "userns", "userns, unpacked"):
+            for backend in ("kernel", *(name for name, _ in userns)):
                 o = ms[f"ours {backend}"]
                 report.rows.append(Row(f"python3 -c pass, warm ({backend})", o, "chroot DIR", ms["chroot DIR"],
                                        "<= 1.2x", "ms"))
@@ -225,7 +230,7 @@ def main(rounds: int = 40) -> Report:
             rates = {}
             for argv, what in ((PASS, "python3 -c pass"), (WRITE, "python3 writing /tmp/x")):
                 chroot_rate = throughput(lambda: subprocess.run(["chroot", tree, *argv], check=True))
-                for backend, worker_ in (("kernel", None), ("userns", nobody), ("userns, unpacked", unpacked)):
+                for backend, worker_ in (("kernel", None), *userns):
                     rates[what, backend] = rate = (throughput(lambda: ours(kernel, argv)) if worker_ is None
                                                    else worker_.ask({"op": "throughput", "argv": argv}))
                     report.rows.append(Row(f"{THROUGHPUT_RUNS} runs of {what}, {WORKERS} workers ({backend})", rate,
@@ -238,15 +243,17 @@ def main(rounds: int = 40) -> Report:
             report.rows.append(Row("CLI: image-builder run ID python3 -c pass, fresh process (kernel, warm)",
                                    cli_run(work, img) * 1000, "ch-run FILE.sqfs", ms["ch-run FILE.sqfs"],
                                    "< 100 ms", "ms"))
-        nobody.close()
-        unpacked.close()
+        for _, worker_ in userns:
+            worker_.close()
         load = os.getloadavg()
         report.notes += [
             f"{rounds} interleaved rounds, medians; load average at the end {load[0]:.1f} (a shared machine)",
             "root: chroot, ours kernel, bwrap, bare python; uid 65534: ours userns, ch-run (timed in-process there)",
             "ours: a session's run (RunRequest, stdin /dev/null, output captured); chroot etc.: subprocess.run",
             "the warm rows are a session's run; the CLI row is a whole fresh `image-builder run` process",
-            "userns, unpacked: the environment unpacked once into a local directory (unpack_dir, "
+            "userns: layers mounted with squashfuse_cached (image_builder/native, built by make: the kernel caches "
+            "opens, listings and symlinks); userns, squashfuse_ll: Debian's squashfuse_ll, a FUSE round trip for "
+            "each of those; userns, unpacked: the environment unpacked once into a local directory (unpack_dir, "
             "$IMAGE_BUILDER_UNPACK_DIR) instead of squashfuse",
             "throughput: a run that leaves its root untouched (python3 -c pass) gets its init and root back for "
             "the next run; one that writes (python3 writing /tmp/x) gets a fresh root: fork, namespaces, "

@@ -4,6 +4,7 @@ under proot (see ExtractSession for what that cannot do)."""
 
 from __future__ import annotations
 
+import fcntl
 import marshal
 import os
 import struct
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .execution import RunRequest, RunResult
-from .mounts import RunnerError
+from .mounts import RunnerError, hold_tree
 from .runtime import Backend, Bind, Captured, InstanceLayers, Session, build_job, build_result, collect, stdin_fd
 
 # Unprivileged unsquashfs can create neither the whiteouts (character devices 0:0) nor
@@ -161,14 +162,41 @@ def _make_writable_rmtree(path: Path) -> None:
         shutil.rmtree(path, onerror=retry)
 
 
-def extracted_layer(cache: Path, image: Path, offset: int = 0) -> tuple[Path, LayerListing]:
+@dataclass
+class ExtractedLayer:
+    """A layer unsquashed in the cache, held: while `hold` (a shared flock on the tree)
+    is open, no later extraction drops the tree as stale."""
+
+    tree: Path
+    listing: LayerListing
+    hold: int
+
+    def release(self) -> None:
+        os.close(self.hold)
+
+
+def extracted_layer(cache: Path, image: Path, offset: int = 0) -> ExtractedLayer:
     """The layer unsquashed into `cache` (made once; the listing is kept next to it and
-    every listed path checked to exist before the copy is trusted)."""
+    every listed path checked to exist before the copy is trusted), held for the caller.
+    Making one drops the unheld trees of images replaced or removed since."""
+    while True:
+        final = cache / _layer_key(image, offset)
+        if not (final / "listing.marshal").is_file():
+            _extract(final, image, offset)
+            _drop_replaced(cache)
+        try:
+            hold = hold_tree(final / "tree")
+        except FileNotFoundError:
+            continue  # dropped meanwhile: the image was replaced, make the new one
+        if (final / "listing.marshal").is_file():
+            listing = LayerListing(**marshal.loads((final / "listing.marshal").read_bytes()))
+            return ExtractedLayer(final / "tree", listing, hold)
+        os.close(hold)
+
+
+def _extract(final: Path, image: Path, offset: int) -> None:
     import subprocess
 
-    final = cache / _layer_key(image, offset)
-    if (final / "listing.marshal").is_file():
-        return final / "tree", LayerListing(**marshal.loads((final / "listing.marshal").read_bytes()))
     listing = list_layer(image, offset)
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
     _make_writable_rmtree(tmp)
@@ -182,7 +210,8 @@ def extracted_layer(cache: Path, image: Path, offset: int = 0) -> tuple[Path, La
         missing = [p for p, k in listing.kinds.items() if k not in "bcps" and not os.path.lexists(tmp / "tree" / p)]
         if r.returncode or missing:
             why = (r.stderr or r.stdout).decode(errors="replace").strip().splitlines()[-1:] or [f"missing {missing[0]}"]
-            raise RunnerError(f"cannot extract {image}: {why[0]}; check the free space under {cache}")
+            raise RunnerError(f"cannot extract {image}: {why[0]}; check the free space under {final.parent}")
+        (tmp / "source").write_text(f"{os.path.realpath(image)}\n{offset}\n")
         (tmp / "listing.marshal").write_bytes(marshal.dumps(listing.__dict__))
         try:
             tmp.rename(final)
@@ -191,7 +220,40 @@ def extracted_layer(cache: Path, image: Path, offset: int = 0) -> tuple[Path, La
     except BaseException:
         _make_writable_rmtree(tmp)
         raise
-    return final / "tree", listing
+
+
+def _drop_replaced(cache: Path) -> None:
+    """Remove the trees whose image is gone or is another file now (an environment
+    rebuilt in place), unless someone holds them. A tree is hundreds of MB."""
+    for entry in cache.iterdir():
+        if ".tmp-" in entry.name:
+            continue  # being made or being removed
+        try:
+            image, offset = (entry / "source").read_text().split()
+        except (OSError, ValueError):
+            continue  # being made, or not ours to judge
+        try:
+            if _layer_key(Path(image), int(offset)) == entry.name:
+                continue
+        except FileNotFoundError:
+            pass  # the image is gone
+        try:
+            fd = os.open(entry / "tree", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue  # in use
+        try:  # renamed under the lock: a user that opened it meanwhile finds no listing and looks again
+            doomed = entry.with_name(f"{entry.name}.tmp-{os.getpid()}")
+            entry.rename(doomed)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+        _make_writable_rmtree(doomed)
 
 
 def _inside_tree(root: Path, rel: str) -> Path:
@@ -376,22 +438,27 @@ class ExtractSession(Session):
             offset, _size = partition_offset(layers.env_sif)
         except SifError as e:
             raise RunnerError(str(e)) from None
-        self._layers = [extracted_layer(cache / "layers", Path(layers.env_sif), offset)]
-        self._layers += [extracted_layer(cache / "layers", Path(o)) for o in layers.overlays]
+        self._layers: list[ExtractedLayer] = []
         self._dir = self._sessions / f"{os.getpid()}-{os.urandom(4).hex()}"
-        self._root = self._build(self._dir / "root")
+        try:
+            for image, at in ((Path(layers.env_sif), offset), *((Path(o), 0) for o in layers.overlays)):
+                self._layers.append(extracted_layer(cache / "layers", image, at))
+            self._root = self._build(self._dir / "root")
+        except BaseException:
+            self._release_layers()
+            raise
 
     def _build(self, root: Path) -> Path:
         import subprocess
 
         if not root.exists():
             root.mkdir(parents=True)
-            env_tree = self._layers[0][0]
+            env_tree = self._layers[0].tree
             r = subprocess.run(["cp", "-a", "--reflink=auto", f"{env_tree}/.", f"{root}/"], capture_output=True)
             if r.returncode:
                 raise RunnerError(f"cannot copy {env_tree}: {r.stderr.decode(errors='replace').strip()}")
-            for tree, listing in self._layers[1:]:
-                apply_layer(root, tree, listing)
+            for layer in self._layers[1:]:
+                apply_layer(root, layer.tree, layer.listing)
         return root
 
     def _proot(self, root: Path, job: dict, tmp: str) -> list[str]:
@@ -456,6 +523,12 @@ class ExtractSession(Session):
     def close(self) -> None:
         _kill_running_from(self._dir)
         _make_writable_rmtree(self._dir)
+        self._release_layers()
+
+    def _release_layers(self) -> None:
+        for layer in self._layers:
+            layer.release()
+        self._layers = []
 
 
 def _kill_running_from(session_dir: Path) -> None:

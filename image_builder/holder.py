@@ -4,7 +4,7 @@ The sessions talking to it are runtime._HolderSession.
 
 Why it is built this way (figures from one of these 2-core VMs):
 
-- Mounting is the expensive part (a squashfuse_ll daemon per layer rootless, a
+- Mounting is the expensive part (a squashfuse daemon per layer rootless, a
   loop device as root), so each layer file is mounted once by a holder process
   and shared by every session using it. A read-only overlay per layer stack
   (inst:env) stays mounted too, with a warm dentry cache: a run's own overlay
@@ -66,7 +66,8 @@ import time
 from .cgroups import Cgroups, cgroup_limits, cgroup_verdict, locate_cgroups
 from .mounts import (CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWUSER, MS_NODEV, MS_NOSUID, MS_RDONLY, MS_REC,
                      MS_SLAVE, PR_SET_DUMPABLE, PR_SET_PDEATHSIG, RootSpec, RunnerError, bind_readonly, dev_template,
-                     enter_root, fuse_mount, loop_mount, loopback_up, map_root, mount, prctl, setns, umount, unshare)
+                     enter_root, fuse_mount, hold_tree, loop_mount, loopback_up, map_root, mount, prctl, setns,
+                     umount, unshare)
 
 __all__ = ["DEFAULT_MAX_PROCESSES", "IDLE_INIT", "INLINE_JOB", "holder_main", "recv_fds", "run_joined", "send_fds"]
 
@@ -286,11 +287,12 @@ _NETNS_BATCH = 4
 class _Mounted:
     """A mount the holder keeps while referenced, and `linger` seconds after."""
 
-    __slots__ = ("path", "parts", "refs", "idle_since", "linger")
+    __slots__ = ("path", "parts", "refs", "idle_since", "linger", "hold")
 
-    def __init__(self, path: str, parts: tuple[_Mounted, ...] = ()):
+    def __init__(self, path: str, parts: tuple[_Mounted, ...] = (), hold: int = -1):
         self.path = path  # relative to the holder's base directory
         self.parts = parts  # the layers under a stack's overlay
+        self.hold = hold  # an unpacked tree's shared flock (extract.hold_tree), while it is mounted
         self.refs = 0
         self.idle_since = 0.0
         self.linger = 0.0
@@ -350,8 +352,10 @@ class Holder:
         layer = self.layers.get(key)
         if layer is None:
             target = self._dir("l")
+            hold = -1
             try:
                 if size < 0:  # a directory: an environment unpacked ahead (runtime's unpack_dir)
+                    hold = hold_tree(path)
                     bind_readonly(path, target)
                 elif self.kernel:
                     loop_mount(path, offset, size, target)
@@ -359,8 +363,10 @@ class Holder:
                     fuse_mount(path, offset, target)
             except OSError:
                 os.rmdir(target)
+                if hold >= 0:
+                    os.close(hold)
                 raise
-            layer = self.layers[key] = _Mounted(target)
+            layer = self.layers[key] = _Mounted(target, hold=hold)
         return layer
 
     def _stack(self, layers: list[_Mounted]) -> _Mounted:
@@ -402,6 +408,8 @@ class Holder:
                     self.spares.pop(spec_key)[1].close()  # EOF: the init leaves
                 umount(m.path)
                 os.rmdir(m.path)
+                if m.hold >= 0:
+                    os.close(m.hold)
                 del table[key]
                 for part in m.parts:
                     self._release(part, m.linger)

@@ -1,5 +1,5 @@
 """The kernel side of the runtime: namespaces and mounts through libc, layer mounts
-(a loop device as root, squashfuse_ll rootless), and a run's root
+(a loop device as root, squashfuse rootless), and a run's root
 (tmpfs upper and overlay over the layers, /proc, /dev, pivot_root). The holder
 (image_builder.holder) and its inits are built from these.
 
@@ -16,11 +16,13 @@ import fcntl
 import os
 import socket
 import struct
+import sys
 
 from .errors import ImageBuilderError
 
-__all__ = ["RootSpec", "RunnerError", "bind_readonly", "dev_template", "enter_root", "fuse_mount", "loop_mount",
-           "loopback_up", "map_root", "mount", "prctl", "read_file", "setns", "umount", "unshare", "write_file"]
+__all__ = ["RootSpec", "RunnerError", "bind_readonly", "dev_template", "enter_root", "fuse_mount", "hold_tree", "loop_mount",
+           "loopback_up", "map_root", "mount", "prctl", "read_file", "setns", "squashfuse", "umount", "unshare",
+           "write_file"]
 
 
 class RunnerError(ImageBuilderError):
@@ -183,20 +185,51 @@ def loop_mount(image: str, offset: int, size: int, target: str) -> None:
             os.close(ctl)
 
 
+SQUASHFUSE_ENV = "IMAGE_BUILDER_SQUASHFUSE"
+
+
+def squashfuse() -> str:
+    """The program that mounts images rootless: $IMAGE_BUILDER_SQUASHFUSE if set, else
+    squashfuse_cached (image_builder/native, built by `make` beside this interpreter, or
+    on PATH), else Debian's squashfuse_ll. Same command line; squashfuse_cached lets the
+    kernel cache opens, directories and symlinks, which short runs spend most FUSE
+    round trips on."""
+    chosen = os.environ.get(SQUASHFUSE_ENV)
+    if chosen:
+        return chosen
+    beside = os.path.join(os.path.dirname(sys.executable), "squashfuse_cached")
+    if os.access(beside, os.X_OK):
+        return beside
+    for directory in os.environ.get("PATH", "").split(os.pathsep):
+        if directory and os.access(os.path.join(directory, "squashfuse_cached"), os.X_OK):
+            return os.path.join(directory, "squashfuse_cached")
+    return "squashfuse_ll"
+
+
+def hold_tree(tree: str | os.PathLike) -> int:
+    """A shared flock on an unpacked tree (extract.extracted_layer), for whoever uses it:
+    a session, the holder that bind-mounts it. While the fd is open, no extraction drops
+    the tree as stale."""
+    fd = os.open(tree, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
 def fuse_mount(image: str, offset: int, target: str) -> None:
-    """squashfuse_ll returns once the mount is up; its daemon is then reparented to the
+    """squashfuse returns once the mount is up; its daemon is then reparented to the
     holder (pid 1 here) and dies with the holder's pid namespace."""
     import subprocess  # only the holder mounts
 
-    cmd = ["squashfuse_ll", "-o", f"offset={offset}", image, target]
+    program = squashfuse()
+    cmd = [program, "-o", f"offset={offset}", image, target]
     try:
         r = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                            timeout=60)
     except FileNotFoundError:
-        raise OSError(errno.ENOENT, "squashfuse_ll not found on PATH (install squashfuse)") from None
+        raise OSError(errno.ENOENT, f"{program} not found (install squashfuse, or unset ${SQUASHFUSE_ENV})") from None
     if r.returncode:
         lines = r.stderr.decode(errors="replace").strip().splitlines() or [f"exit status {r.returncode}"]
-        raise OSError(errno.EIO, f"squashfuse_ll {image}: {lines[-1]}")
+        raise OSError(errno.EIO, f"{os.path.basename(program)} {image}: {lines[-1]}")
 
 
 # --- a run's root (init side) --------------------------------------------------------------------

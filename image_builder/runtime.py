@@ -10,10 +10,11 @@ Backends (detect_backend() takes the first that works here; doctor() says why):
   under kernel overlayfs. Runs are host uid 0 inside a user namespace of their own,
   so /proc's writable-by-root files are masked and the process limit is a pids cgroup
   (RLIMIT_NPROC never counts host root).
-- userns (rootless, the HPC default): squashfuse_ll in a user namespace, kernel
+- userns (rootless, the HPC default): squashfuse in a user namespace, kernel
   overlayfs there (5.11+, `userxattr`: squashfuse shows trusted.overlay.* as
-  user.overlay.*). Every open() of an image file is a FUSE round trip: Python starts
-  slower than on the kernel backend.
+  user.overlay.*). With squashfuse_cached (mounts.squashfuse) the kernel caches opens,
+  directories and symlinks; with plain squashfuse_ll every open() of an image file is
+  a FUSE round trip, and Python starts slower than on the kernel backend.
 - apptainer (image_builder.apptainer): `apptainer exec --overlay inst.sqfs:ro env.sif`
   per run (apptainer_command).
 - extract (image_builder.extract; no FUSE, no user namespaces): each layer unsquashed
@@ -52,7 +53,7 @@ from pathlib import Path
 from .execution import DEFAULT_PATH, Bind, RunRequest, RunResult
 from .holder import DEFAULT_MAX_PROCESSES, IDLE_INIT, INLINE_JOB, recv_fds, run_joined, send_fds
 from .cgroups import locate_cgroups
-from .mounts import RootSpec, RunnerError
+from .mounts import RootSpec, RunnerError, squashfuse
 
 __all__ = [
     "Backend",
@@ -135,8 +136,9 @@ def _userns_blocker() -> str | None:
         return f"kernel {os.uname().release} is older than 5.11: no overlayfs in user namespaces"
     if not os.access("/dev/fuse", os.R_OK | os.W_OK):
         return "/dev/fuse is missing or not read-writable by this user (HPC hosts usually make it mode 666)"
-    if not _which("squashfuse_ll"):
-        return "squashfuse_ll is not installed (apt-get install squashfuse)"
+    program = squashfuse()
+    if not (os.access(program, os.X_OK) if os.sep in program else _which(program)):
+        return f"{program} is not installed (apt-get install squashfuse)"
     return None
 
 
@@ -181,6 +183,10 @@ def doctor() -> list[DoctorLine]:
     for backend, blocker in ((Backend.KERNEL, _kernel_blocker()), (Backend.USERNS, _userns_blocker()),
                              (Backend.EXTRACT, _extract_blocker())):
         lines.append(DoctorLine(f"backend {backend.value}", blocker is None, blocker or "usable"))
+    program = squashfuse()
+    fast = os.path.basename(program) == "squashfuse_cached"
+    lines.append(DoctorLine("squashfuse", True, program + (": the kernel caches opens, directories and symlinks" if fast
+                            else ": every open() is a FUSE round trip; `make` builds the faster squashfuse_cached")))
     apptainer = _which("apptainer")
     lines.append(DoctorLine("backend apptainer", bool(apptainer), apptainer or "not installed"))
     cg = locate_cgroups()
@@ -373,14 +379,16 @@ def _start_holder(state_dir: Path, kernel: bool, name: str) -> None:
         raise RunnerError(f"cannot start the mount holder: {why}; run `image-builder doctor`")
 
 
-def _unpacked(cache: Path, env_sif: Path, offset: int) -> Path:
-    """The environment's squashfs unpacked under `cache` (once per image; see extract)."""
+def _unpacked(cache: Path, env_sif: Path, offset: int):
+    """The environment's squashfs unpacked under `cache` (once per image), held (see
+    extract.ExtractedLayer) until released."""
     from .extract import extracted_layer
 
-    tree, listing = extracted_layer(cache, env_sif, offset)
-    if listing.whiteouts or listing.opaque:  # a flattened environment has none; an overlay layer needs them
+    layer = extracted_layer(cache, env_sif, offset)
+    if layer.listing.whiteouts or layer.listing.opaque:  # a flattened environment has none; overlays need them
+        layer.release()
         raise RunnerError(f"{env_sif} holds overlay whiteouts: it cannot be used unpacked; drop unpack_dir")
-    return tree
+    return layer
 
 
 class _HolderSession(Session):
@@ -402,8 +410,6 @@ class _HolderSession(Session):
         except SifError as e:
             raise RunnerError(str(e)) from None
         refs = [(str(Path(layers.env_sif).resolve()), offset, size)]
-        if unpack_dir is not None and not self._kernel:
-            refs[0] = (str(_unpacked(Path(unpack_dir), Path(layers.env_sif), offset)), 0, -1)
         for o in layers.overlays:
             if not os.access(o, os.R_OK):
                 raise RunnerError(f"cannot read instance layer {o}; check the path and its permissions")
@@ -411,31 +417,39 @@ class _HolderSession(Session):
         for b in binds:
             if not os.path.exists(b.src):
                 raise RunnerError(f"bind source {b.src} does not exist; create it or drop the bind")
+        unpacked = None
+        if unpack_dir is not None and not self._kernel:
+            unpacked = _unpacked(Path(unpack_dir), Path(layers.env_sif), offset)
+            refs[0] = (str(unpacked.tree), 0, -1)
         name = holder_name(state_dir, self._kernel)
         msg = {"op": "open", "layers": refs, "linger": float(linger), "scratch_mb": scratch_mb,
                "binds": [(str(Path(b.src).resolve()), b.dest, b.readonly) for b in binds]}
         self._conn = None
-        for _attempt in range(3):
-            try:
-                conn = _connect(name)
-            except (ConnectionRefusedError, FileNotFoundError):
-                _start_holder(state_dir, self._kernel, name)
-                continue
-            try:
-                send_fds(conn, msg)
-                reply = recv_fds(conn, 0)[0]
-            except OSError:
-                reply = None
-            if reply is None:  # it was just leaving: start another
-                conn.close()
-                continue
-            if "error" in reply:
-                conn.close()
-                raise RunnerError(f"cannot mount the instance: {reply['error']}")
-            self._conn = conn
-            break
-        else:
-            raise RunnerError(f"cannot reach the mount holder; see {state_dir}/holder.log")
+        try:
+            for _attempt in range(3):
+                try:
+                    conn = _connect(name)
+                except (ConnectionRefusedError, FileNotFoundError):
+                    _start_holder(state_dir, self._kernel, name)
+                    continue
+                try:
+                    send_fds(conn, msg)
+                    reply = recv_fds(conn, 0)[0]
+                except OSError:
+                    reply = None
+                if reply is None:  # it was just leaving: start another
+                    conn.close()
+                    continue
+                if "error" in reply:
+                    conn.close()
+                    raise RunnerError(f"cannot mount the instance: {reply['error']}")
+                self._conn = conn
+                break
+            else:
+                raise RunnerError(f"cannot reach the mount holder; see {state_dir}/holder.log")
+        finally:
+            if unpacked is not None:
+                unpacked.release()  # the holder holds the tree from its mount on
         self._spec = reply["spec"]
         self._holder_pid = _peer(conn)[0]
         self._lock = threading.Lock()
@@ -599,7 +613,8 @@ def open_session(layers: InstanceLayers, *, backend: Backend | None = None, stat
     run's writable layer (default half the RAM). `unpack_dir` (default
     $IMAGE_BUILDER_UNPACK_DIR): userns only, unpack the environment image there once (a
     node-local disk: about the image's size uncompressed) and use it instead of
-    squashfuse, whose round trip on every open() slows short runs by a third."""
+    squashfuse: with plain squashfuse_ll, whose round trip on every open() slows short
+    runs by a third, this wins; squashfuse_cached comes close without it."""
     backend = backend or detect_backend()
     if not Path(layers.env_sif).is_file():
         raise RunnerError(f"environment image {layers.env_sif} not found; build or pull it first")

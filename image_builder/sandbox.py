@@ -32,6 +32,7 @@ from pathlib import Path
 
 from .errors import ImageBuilderError
 from .execution import DEFAULT_PATH, Bind
+from .mounts import squashfuse
 
 CA_IN_SANDBOX = "/tmp/.image-builder/ca.pem"
 APT_CONF_IN_SANDBOX = "/tmp/.image-builder/apt.conf"
@@ -176,7 +177,7 @@ def _overlay_lines(spec: SandboxSpec, backend: Backend, mount: str) -> list[str]
         if backend is Backend.CHROOT:
             lines.append(f"{mount} -t squashfs -o loop,ro,offset={image.offset} {path} {point}")
         else:  # the squashfuse daemon lives in the pid namespace and dies with it
-            lines.append(f"squashfuse_ll -o offset={image.offset} {path} {point}")
+            lines.append(f"{shlex.quote(squashfuse())} -o offset={image.offset} {path} {point}")
     # overlayfs lists the top layer first; its option string cannot hold commas or colons in paths.
     lines += [f"U={shlex.quote(str(ov.upper))}", f"W={shlex.quote(str(ov.work))}"]
     options = f"lowerdir={':'.join(reversed(lowers))},upperdir=$U,workdir=$W"
@@ -280,14 +281,14 @@ def run(spec: SandboxSpec, argv: list[str], *, backend: Backend | None = None, t
 
 
 def _fuse_overlay(spec: SandboxSpec, staging: Path) -> list[Path]:
-    """proot cannot mount: stack the layers on the host with squashfuse_ll and fuse-overlayfs."""
+    """proot cannot mount: stack the layers on the host with squashfuse and fuse-overlayfs."""
     mounted: list[Path] = []
     try:
         lowers = []
         for i, image in enumerate(spec.overlay.lowers):
             point = staging / f"lower{i}"
             point.mkdir()
-            subprocess.run(["squashfuse_ll", "-o", f"offset={image.offset}", str(image.path), str(point)],
+            subprocess.run([squashfuse(), "-o", f"offset={image.offset}", str(image.path), str(point)],
                            check=True, capture_output=True)
             mounted.append(point)
             lowers.append(str(point))

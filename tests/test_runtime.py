@@ -47,8 +47,6 @@ NOT_FOR_EXTRACT = ("usr/share/locale", "usr/share/perl", "usr/share/perl5", "usr
                    "var/lib/dpkg")
 DOCS_FOR_EXTRACT = ("bash", "coreutils", "dash")  # what /usr/share/doc keeps: the instance layer hides them
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="runs backends as root and as uid 65534: needs root")
-
 
 @dataclass(frozen=True)
 class Images:
@@ -401,6 +399,48 @@ def test_an_unpacked_environment_serves_runs_without_squashfuse(case):
     assert (tree.parent / "listing.marshal").stat().st_mtime_ns == made, "unpacked once, then reused"
 
 
+@pytest.mark.parametrize("case", ["userns"], indirect=True)
+def test_a_rebuilt_environment_drops_its_old_unpacked_tree_once_unused(case, extract_images):
+    """unpack_dir keeps a tree per environment image: a rebuilt image (a new file renamed
+    over the old path) gets a new tree, and the old one goes when an extraction finds it
+    held by no session and no holder."""
+    unpack, env = case.state_dir / "unpacked", case.state_dir / "env.sif"
+
+    def rebuild():
+        new = env.with_suffix(".new")
+        shutil.copyfile(extract_images.env_sif, new)
+        new.chmod(0o644)
+        new.rename(env)
+
+    def start(argv: list[str]) -> subprocess.Popen:
+        layers = {**extract_images.layers(), "env_sif": str(env)}
+        return case.start({**case.scenario([case.req(argv)], unpack_dir=str(unpack)), "layers": layers})
+
+    def finish(proc: subprocess.Popen) -> None:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0 and json.loads(out)["results"][0]["exit_code"] == 0, err.decode()[-2000:]
+
+    def trees() -> set[str]:
+        return {p.name for p in unpack.iterdir()}
+
+    rebuild()
+    busy = start(["sleep", "3.25"])
+    try:
+        assert eventually(lambda: processes_with("sleep 3.25"), 60), busy.stderr.read1()
+        first = trees()
+        rebuild()
+        finish(start(["true"]))
+        assert len(trees()) == 2 and first < trees(), "the tree in use stays"
+        second = trees() - first
+        finish(busy)
+    finally:
+        busy.kill()
+    assert eventually(lambda: not processes_with(str(case.state_dir)))
+    rebuild()
+    finish(start(["true"]))
+    assert len(trees()) == 1 and not trees() & (first | second), "unused trees of replaced images go"
+
+
 # Not extract: its writable layer is the session's tree (documented); the next test covers it.
 @pytest.mark.parametrize("case", ["kernel", "userns"], indirect=True)
 def test_writes_are_thrown_away_after_each_run(case):
@@ -500,6 +540,41 @@ else:
     assert r.wall_time < 20
 
 
+def _fuse_daemons(state_dir: Path) -> list[str]:
+    """The programs serving the mounts of the holder of `state_dir` (its children)."""
+    holders = {str(pid) for pid in processes_with(str(state_dir))}
+    found = []
+    for pid in processes_with("-o offset="):
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+        except OSError:
+            continue
+        if status.split("PPid:", 1)[1].split()[0] in holders:
+            found.append(os.path.basename(argv0))
+    return found
+
+
+@pytest.mark.parametrize("case", ["userns"], indirect=True)
+@pytest.mark.parametrize("program", ["squashfuse_cached", "squashfuse_ll"])
+def test_userns_mounts_with_the_chosen_squashfuse(case, monkeypatch, program):
+    """squashfuse_cached, which make builds, serves the layers; $IMAGE_BUILDER_SQUASHFUSE
+    picks another program, and Debian's squashfuse_ll works as well."""
+    if program == "squashfuse_ll":
+        monkeypatch.setenv("IMAGE_BUILDER_SQUASHFUSE", program)
+    proc = case.start(case.scenario([case.req(["sh", "-c", "cat /testbed/hello.txt; ls /usr/share/doc; sleep 3"])]))
+    try:
+        assert eventually(lambda: len(_fuse_daemons(case.state_dir)) >= 2, 30), proc.stderr.read1()
+        daemons = _fuse_daemons(case.state_dir)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err.decode()
+    [result] = json.loads(out)["results"]
+    assert base64.b64decode(result["stdout"]) == b"hello from the instance\nnote.txt\n"
+    assert set(daemons) == {program}, daemons
+
+
 # --- nothing leaks ----------------------------------------------------------------------------
 
 
@@ -584,6 +659,7 @@ def test_doctor_explains_the_choice():
     assert lines["chosen"].detail == "kernel"
     assert lines["backend userns"].ok and lines["backend kernel"].ok
     assert "limits" in lines
+    assert lines["squashfuse"].detail.startswith(str(Path(sys.executable).parent / "squashfuse_cached") + ": ")
 
 
 def test_a_starting_holder_removes_only_dead_holders_cgroups(tmp_path):
