@@ -20,9 +20,9 @@ import sys
 
 from .errors import ImageBuilderError
 
-__all__ = ["RootSpec", "RunnerError", "bind_readonly", "dev_template", "enter_root", "fuse_mount", "hold_tree", "loop_mount",
-           "loopback_up", "map_root", "mount", "prctl", "read_file", "setns", "squashfuse", "umount", "unshare",
-           "write_file"]
+__all__ = ["RootSpec", "RunnerError", "bind_readonly", "dev_template", "enter_root", "fuse_mount", "hold_tree",
+           "loop_mount", "loopback_up", "map_root", "mount", "prctl", "read_file", "setns", "squashfuse", "umount",
+           "unshare", "write_file"]
 
 
 class RunnerError(ImageBuilderError):

@@ -391,6 +391,30 @@ def _unpacked(cache: Path, env_sif: Path, offset: int):
     return layer
 
 
+def _open_on_holder(state_dir: Path, kernel: bool, msg: dict) -> tuple[socket.socket, dict]:
+    """Send a session's open to the holder (started if none runs): its connection and reply."""
+    name = holder_name(state_dir, kernel)
+    for _attempt in range(3):
+        try:
+            conn = _connect(name)
+        except (ConnectionRefusedError, FileNotFoundError):
+            _start_holder(state_dir, kernel, name)
+            continue
+        try:
+            send_fds(conn, msg)
+            reply = recv_fds(conn, 0)[0]
+        except OSError:
+            reply = None
+        if reply is None:  # it was just leaving: start another
+            conn.close()
+            continue
+        if "error" in reply:
+            conn.close()
+            raise RunnerError(f"cannot mount the instance: {reply['error']}")
+        return conn, reply
+    raise RunnerError(f"cannot reach the mount holder; see {state_dir}/holder.log")
+
+
 class _HolderSession(Session):
     """kernel and userns: the layers are mounted by the per-user holder (holder.py). The
     session keeps spare inits (one per run in flight), asked for ahead of need, so a
@@ -421,35 +445,14 @@ class _HolderSession(Session):
         if unpack_dir is not None and not self._kernel:
             unpacked = _unpacked(Path(unpack_dir), Path(layers.env_sif), offset)
             refs[0] = (str(unpacked.tree), 0, -1)
-        name = holder_name(state_dir, self._kernel)
         msg = {"op": "open", "layers": refs, "linger": float(linger), "scratch_mb": scratch_mb,
                "binds": [(str(Path(b.src).resolve()), b.dest, b.readonly) for b in binds]}
-        self._conn = None
         try:
-            for _attempt in range(3):
-                try:
-                    conn = _connect(name)
-                except (ConnectionRefusedError, FileNotFoundError):
-                    _start_holder(state_dir, self._kernel, name)
-                    continue
-                try:
-                    send_fds(conn, msg)
-                    reply = recv_fds(conn, 0)[0]
-                except OSError:
-                    reply = None
-                if reply is None:  # it was just leaving: start another
-                    conn.close()
-                    continue
-                if "error" in reply:
-                    conn.close()
-                    raise RunnerError(f"cannot mount the instance: {reply['error']}")
-                self._conn = conn
-                break
-            else:
-                raise RunnerError(f"cannot reach the mount holder; see {state_dir}/holder.log")
+            conn, reply = _open_on_holder(state_dir, self._kernel, msg)
         finally:
             if unpacked is not None:
                 unpacked.release()  # the holder holds the tree from its mount on
+        self._conn = conn
         self._spec = reply["spec"]
         self._holder_pid = _peer(conn)[0]
         self._lock = threading.Lock()
