@@ -252,7 +252,7 @@ def main(rounds: int = 40) -> Report:
             "ours: a session's run (RunRequest, stdin /dev/null, output captured); chroot etc.: subprocess.run",
             "the warm rows are a session's run; the CLI row is a whole fresh `image-builder run` process",
             "userns: layers mounted with squashfuse_cached (image_builder/native, built by make: the kernel caches "
-            "opens, listings and symlinks); userns, squashfuse_ll: Debian's squashfuse_ll, a FUSE round trip for "
+            "opens, listings and symlinks, and answers xattr queries on an image without any); userns, squashfuse_ll: Debian's squashfuse_ll, a FUSE round trip for "
             "each of those; userns, unpacked: the environment unpacked once into a local directory (unpack_dir, "
             "$IMAGE_BUILDER_UNPACK_DIR) instead of squashfuse",
             "throughput: a run that leaves its root untouched (python3 -c pass) gets its init and root back for "

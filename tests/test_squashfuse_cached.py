@@ -182,6 +182,27 @@ def test_repeated_reads_are_served_by_the_kernel(image, tmp_path):
     assert again * 50 <= sum(plain[op] for op in ("OPEN", "OPENDIR", "READDIR", "READLINK")), cached
 
 
+def test_an_image_without_xattrs_lets_the_kernel_answer_xattr_queries(base, tmp_path):
+    """A flattened environment has no extended attributes: the kernel is told once and
+    answers EOPNOTSUPP itself (a fresh overlay asks on every lower directory it walks)."""
+    src = base / "plain-src"
+    (src / "etc").mkdir(parents=True)
+    (src / "etc" / "os-release").write_text("ID=plain\n")
+    plain = base / "plain.sqfs"
+    pack(src, plain, SquashOptions())
+    log = tmp_path / "plain.log"
+    with mounted(str(CACHED), plain, tmp_path / "m", debug_log=log) as point:
+        before = Counter(requests(log))
+        for _ in range(20):
+            for query in (lambda: os.getxattr(point / "etc", "user.overlay.opaque"), lambda: os.listxattr(point)):
+                with pytest.raises(OSError) as e:
+                    query()
+                assert e.value.errno == errno.EOPNOTSUPP
+        assert (point / "etc/os-release").read_text() == "ID=plain\n"
+        asked = Counter(requests(log)) - before
+    assert asked["GETXATTR"] == asked["LISTXATTR"] == 1, asked
+
+
 def test_the_mount_is_read_only(image, tmp_path):
     with mounted(str(CACHED), image, tmp_path / "m") as point:
         for attempt in (lambda: open(point / "data/big", "r+b"), lambda: (point / "new").write_text("x"),
