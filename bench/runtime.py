@@ -34,7 +34,8 @@ from image_builder.squashfs import SquashOptions, pack
 
 NOBODY = 65534
 PASS = ("python3", "-c", "pass")
-WRITE = ("python3", "-c", "open('/tmp/x', 'w').write('x')")  # a run that leaves a trace: a fresh root each
+WRITE = ("python3", "-c", "open('/root/x', 'w').write('x')")  # a run that leaves a trace: a fresh root each
+TMP_WRITE = ("python3", "-c", "open('/tmp/x', 'w').write('x')")  # /tmp is emptied after a run: the root is reused
 THROUGHPUT_RUNS, WORKERS = 1000, 2
 
 
@@ -228,17 +229,19 @@ def main(rounds: int = 40) -> Report:
                                 "through FUSE rootless) and the first root set up over it")
 
             rates = {}
-            for argv, what in ((PASS, "python3 -c pass"), (WRITE, "python3 writing /tmp/x")):
+            every = (("kernel", None), *userns)
+            for argv, what, backends in ((PASS, "python3 -c pass", every), (WRITE, "python3 writing /root/x", every),
+                                         (TMP_WRITE, "python3 writing /tmp/x", every[:2])):
                 chroot_rate = throughput(lambda: subprocess.run(["chroot", tree, *argv], check=True))
-                for backend, worker_ in (("kernel", None), *userns):
+                for backend, worker_ in backends:
                     rates[what, backend] = rate = (throughput(lambda: ours(kernel, argv)) if worker_ is None
                                                    else worker_.ask({"op": "throughput", "argv": argv}))
                     report.rows.append(Row(f"{THROUGHPUT_RUNS} runs of {what}, {WORKERS} workers ({backend})", rate,
                                            f"chroot DIR, {WORKERS} workers", chroot_rate, ">= 0.9x", "runs/s"))
             isolated = [bwrap, "--unshare-all", "--die-with-parent", "--bind", tree, "/", "--proc", "/proc",
                         "--dev", "/dev", "--tmpfs", "/tmp", *WRITE]
-            report.rows.append(Row(f"{THROUGHPUT_RUNS} runs of python3 writing /tmp/x, {WORKERS} workers (kernel)",
-                                   rates["python3 writing /tmp/x", "kernel"], "bwrap --unshare-all, fresh /proc /dev /tmp",
+            report.rows.append(Row(f"{THROUGHPUT_RUNS} runs of python3 writing /root/x, {WORKERS} workers (kernel)",
+                                   rates["python3 writing /root/x", "kernel"], "bwrap --unshare-all, fresh /proc /dev /tmp",
                                    throughput(lambda: subprocess.run(isolated, check=True)), "", "runs/s"))
             report.rows.append(Row("CLI: image-builder run ID python3 -c pass, fresh process (kernel, warm)",
                                    cli_run(work, img) * 1000, "ch-run FILE.sqfs", ms["ch-run FILE.sqfs"],
@@ -252,12 +255,13 @@ def main(rounds: int = 40) -> Report:
             "ours: a session's run (RunRequest, stdin /dev/null, output captured); chroot etc.: subprocess.run",
             "the warm rows are a session's run; the CLI row is a whole fresh `image-builder run` process",
             "userns: layers mounted with squashfuse_cached (image_builder/native, built by make: the kernel caches "
-            "opens, listings and symlinks, and answers xattr queries on an image without any); userns, squashfuse_ll: Debian's squashfuse_ll, a FUSE round trip for "
-            "each of those; userns, unpacked: the environment unpacked once into a local directory (unpack_dir, "
+            "opens, listings and symlinks, and answers xattr queries on an image without any); userns, "
+            "squashfuse_ll: Debian's squashfuse_ll, a FUSE round trip for each of those; userns, unpacked: the environment unpacked once into a local directory (unpack_dir, "
             "$IMAGE_BUILDER_UNPACK_DIR) instead of squashfuse",
-            "throughput: a run that leaves its root untouched (python3 -c pass) gets its init and root back for "
-            "the next run; one that writes (python3 writing /tmp/x) gets a fresh root: fork, namespaces, "
-            "a dozen mounts, about what bwrap --unshare-all pays",
+            "throughput: a run that leaves its root untouched (python3 -c pass; python3 writing /tmp/x, which is "
+            "emptied after each run) gets its init and root back for the next run; one that writes elsewhere "
+            "(python3 writing /root/x) gets a fresh root: fork, namespaces, a dozen mounts, about what "
+            "bwrap --unshare-all pays",
         ]
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import posixpath
 import time
 from pathlib import Path
 
@@ -14,11 +15,13 @@ from .runtime import Backend, Bind, Captured, InstanceLayers, Session, build_res
 def apptainer_command(layers: InstanceLayers, request: RunRequest, *, binds: tuple[Bind, ...] = (),
                       files_dir: Path | None = None) -> list[str]:
     """`apptainer exec --containall --overlay inst.sqfs:ro env.sif CMD`, with the request's
-    options mapped. `files_dir` holds request.files staged on the host (bound in). A
-    variable whose value has a comma goes in as APPTAINERENV_NAME through `env`:
-    --env splits on commas (apptainer/singularity#6088)."""
-    prefix, cmd = [], ["apptainer", "exec", "--containall", "--writable-tmpfs", "--pwd",
-                       request.workdir or layers.workdir]
+    options mapped. `files_dir` holds request.files staged on the host at their paths
+    inside (files_dir/testbed/case.py for /testbed/case.py), bound in: each file on its
+    own, those under /tmp as one /tmp (--containall's is empty), so that a run can
+    delete them. A variable whose value has a comma goes in as APPTAINERENV_NAME
+    through `env`: --env splits on commas (apptainer/singularity#6088)."""
+    workdir = request.workdir or layers.workdir
+    prefix, cmd = [], ["apptainer", "exec", "--containall", "--writable-tmpfs", "--pwd", workdir]
     for overlay in layers.overlays:  # bottom to top: the last one given is the top layer
         cmd += ["--overlay", f"{overlay}:ro"]
     if not request.network:
@@ -27,10 +30,14 @@ def apptainer_command(layers: InstanceLayers, request: RunRequest, *, binds: tup
         cmd += ["--memory", f"{request.memory_mb}M"]
     for b in binds:
         cmd += ["--bind", f"{b.src}:{b.dest}:{'ro' if b.readonly else 'rw'}"]
-    for path in request.files:
-        if files_dir is None:
-            raise RunnerError("request.files needs files_dir, a host directory holding them")
-        cmd += ["--bind", f"{files_dir}/{path.lstrip('/')}:{path}:rw"]
+    if request.files and files_dir is None:
+        raise RunnerError("request.files needs files_dir, a host directory holding them")
+    inside = sorted({posixpath.join(workdir, path) for path in request.files})
+    if any(path.startswith("/tmp/") for path in inside):
+        cmd += ["--bind", f"{files_dir}/tmp:/tmp:rw"]
+    for path in inside:
+        if not path.startswith("/tmp/"):
+            cmd += ["--bind", f"{files_dir}{path}:{path}:rw"]
     for key, value in {**layers.env, **request.env}.items():
         if "," in value:
             prefix.append(f"APPTAINERENV_{key}={value}")
@@ -53,8 +60,9 @@ class ApptainerSession(Session):
         import tempfile
 
         with tempfile.TemporaryDirectory(prefix="ib-apptainer-") as staged:
+            workdir = request.workdir or self.layers.workdir
             for path, data in request.files.items():
-                host = Path(staged, path.lstrip("/"))
+                host = Path(staged, posixpath.join(workdir, path).lstrip("/"))
                 host.parent.mkdir(parents=True, exist_ok=True)
                 host.write_bytes(data)
             cmd = apptainer_command(self.layers, request, binds=self.binds, files_dir=Path(staged))

@@ -211,15 +211,20 @@ def _end_all() -> None:
             return
 
 
+SCRATCH_DIRS = ("/tmp", "/dev/shm")  # tmpfs of a run's own (mounts.enter_root)
+
+
 def _traces(upper: int) -> tuple:
     """What a run could leave for the next run in the same root: entries, owner, mode,
-    xattrs and times of the writable layer's top and of /dev/shm, SysV IPC objects, and
-    keys (counted per user of this user namespace). What else it could change, it cannot:
-    it owns no namespace."""
+    xattrs and times of the writable layer's top, the same but times of /tmp and
+    /dev/shm (tmpfs of their own, emptied after each run), SysV IPC objects, and keys
+    (counted per user of this user namespace). What else it could change, it cannot: it
+    owns no namespace."""
     marks = []
-    for fd in (upper, "/dev/shm"):
+    for fd, times in ((upper, True), *((d, False) for d in SCRATCH_DIRS)):
         st = os.stat(fd)
-        marks += [os.listdir(fd), os.listxattr(fd), st.st_mode, st.st_uid, st.st_gid, st.st_mtime_ns, st.st_ctime_ns]
+        marks += [os.listdir(fd), os.listxattr(fd), st.st_mode, st.st_uid, st.st_gid]
+        marks += [st.st_mtime_ns, st.st_ctime_ns] if times else []
     for name in ("sysvipc/shm", "sysvipc/msg", "sysvipc/sem", "key-users"):
         try:
             with open(f"/proc/{name}", "rb") as f:
@@ -229,15 +234,54 @@ def _traces(upper: int) -> tuple:
     return tuple(map(str, marks))
 
 
+def _empty(dir_fd: int, dev: int) -> None:
+    """Remove everything under a directory of file system `dev`, following no symlink and
+    entering no other file system (the run's processes are gone: nothing adds entries
+    meanwhile). Whatever fails leaves the root unreusable."""
+    for name in os.listdir(dir_fd):
+        try:
+            os.unlink(name, dir_fd=dir_fd)
+        except IsADirectoryError:
+            sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            try:
+                if os.fstat(sub).st_dev != dev:
+                    raise OSError(errno.EXDEV, "a mount point", name) from None
+                _empty(sub, dev)
+            finally:
+                os.close(sub)
+            os.rmdir(name, dir_fd=dir_fd)
+
+
+def _empty_scratch(spec: RootSpec) -> bool:
+    """Empty the run's /tmp and /dev/shm (tmpfs of their own) for a next run in this
+    root; False if something stays, or if a host path is bound there (never emptied)."""
+    bound = [os.path.normpath("/" + dest.lstrip("/")).rstrip("/") + "/" for _, dest, _ in spec.binds]
+    if spec.upper or any(b.startswith(d + "/") or (d + "/").startswith(b) for b in bound for d in SCRATCH_DIRS):
+        return False
+    for path in SCRATCH_DIRS:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            _empty(fd, os.fstat(fd).st_dev)
+        except (OSError, RecursionError):
+            return False
+        finally:
+            os.close(fd)
+    return True
+
+
 def _init_main(spec: RootSpec, ctl: socket.socket) -> None:
     """An init forked ahead of time: build the root, wait for a job from the session
     holding the other end of `ctl`, run it, answer there. A setup error is kept and
     given to that session; EOF before a job means the init was not needed.
 
-    A run that left its root as it found it (it wrote nothing: a test that only reads,
-    `python3 -c pass`) and all of whose processes are gone leaves nothing a next run
-    could see, so the init offers itself for another job ("reusable"), saving the fork,
-    the mounts and their teardown. Not under cgroup v2 memory accounting, whose peak
+    A run that left its root as it found it (it wrote nothing but in /tmp or /dev/shm,
+    which are emptied: a test that only reads, `python3 -c pass`, a grader's case whose files are
+    in /tmp) and all of whose processes are gone leaves nothing a next run could see, so
+    the init offers itself for another job ("reusable"), saving the fork, the mounts and
+    their teardown. Not under cgroup v2 memory accounting, whose peak
     and OOM counters are the cgroup's whole life."""
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -272,7 +316,8 @@ def _init_main(spec: RootSpec, ctl: socket.socket) -> None:
             return
         if out is None:
             return
-        out["reusable"] = not out["timed_out"] and out["out_of_memory"] is None and _traces(upper) == pristine
+        out["reusable"] = (not out["timed_out"] and out["out_of_memory"] is None and _empty_scratch(spec)
+                           and _traces(upper) == pristine)
         send_fds(ctl, out)
         if not out["reusable"]:
             return

@@ -321,6 +321,8 @@ def enter_root(spec: RootSpec) -> tuple[int | None, int]:
             os.mkdir(d)
             os.chmod(d, mode)
         _inside(d)
+    if not spec.upper:  # emptied after each run (holder._empty_tmp): a run that wrote only there leaves no trace
+        mount("tmp", "tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777" + size)
     mount("proc", "proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     if not spec.userxattr:  # root inside is host root: its files there are not for the run
         for p in PROC_READONLY:

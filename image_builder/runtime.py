@@ -26,7 +26,8 @@ kernel and userns share one design, in image_builder.holder (on the primitives o
 image_builder.mounts): a per-user holder process keeps each layer mounted once, and
 runs are handed to inits whose root is already built; their sessions are here. For
 every run: new mount, pid, ipc, uts and (unless network=True) network namespaces;
-the layers read-only under a tmpfs upper (so /tmp is private too); host paths only
+the layers read-only under a tmpfs upper; /tmp and /dev/shm tmpfs of the run's own,
+emptied after it (a run that wrote only there leaves its root to the next); host paths only
 where bound; the image's environment, then the request's, never the host's; stdin as
 a regular file; the timeout kills the whole pid namespace; memory and process limits
 from a cgroup where one is delegated (v2) or owned (root), else RLIMIT_AS and

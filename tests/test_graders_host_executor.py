@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -32,6 +33,14 @@ def test_files_land_in_a_fresh_workdir_each_run(host):
                         files={"data/in.txt": b"hello"}))
     second = host.run(py("import os; print(os.path.exists('left-behind'))"))
     assert first.stdout == b"hello\n" and second.stdout == b"False\n"
+
+
+def test_each_run_has_a_tmp_of_its_own(host):
+    first = host.run(py("import os; print(open('/tmp/g/in.txt').read(), os.listdir('/tmp'))",
+                        files={"/tmp/g/in.txt": b"hello"}))
+    second = host.run(py("import os; print(os.listdir('/tmp'))"))
+    assert first.stdout == b"hello ['g']\n" and second.stdout == b"[]\n"
+    assert not os.path.exists("/tmp/g/in.txt")
 
 
 def test_refuses_paths_outside_the_workdir(host):

@@ -457,31 +457,51 @@ ADD_KEY = {"x86_64": 248, "aarch64": 217}[os.uname().machine]  # add_key(2): lib
 
 @pytest.mark.parametrize("case", ["kernel", "userns"], indirect=True)
 def test_an_untouched_root_serves_the_next_run_and_nothing_carries_over(case):
-    """A run that changed nothing gets its init (pid 1, root, mounts) back for the next run;
-    one that left anything a next run could see does not, and its processes never survive."""
-    pid = ["sh", "-c", 'echo "$$"; [ -e /tmp/left ] || [ -e /dev/shm/left ] && echo LEFT; stat -c %a /; '
+    """A run that changed nothing but in /tmp and /dev/shm (emptied after it) gets its init
+    (pid 1, root, mounts) back for the next run; one that left anything else a next run
+    could see does not, and its processes never survive."""
+    pid = ["sh", "-c", 'echo "$$"; find /tmp /dev/shm -mindepth 1 | grep -q . && echo LEFT; stat -c %a / /tmp; '
            "grep -c . /proc/sysvipc/shm; for p in /proc/[0-9]*; do cat $p/cmdline; echo; done | grep -c ^sleep"]
-    leave = {
-        "a sleeper": ["sh", "-c", "sleep 300 & echo started"],  # writes nothing: reused, but the sleeper dies
-        "a file": ["sh", "-c", "echo x > /tmp/left"],
-        "a mode": ["chmod", "700", "/"],
-        "shared memory": ["sh", "-c", "echo x > /dev/shm/left"],
-        "a SysV segment": py("import ctypes; assert ctypes.CDLL(None).shmget(1234, 4096, 0o1666) >= 0"),
-        "a key": py(f"import ctypes; assert ctypes.CDLL(None).syscall({ADD_KEY}, b'user', b'k', b'v', 1, -4) > 0"),
+    scratch = ("mkdir -p /tmp/a/b /dev/shm/c && echo x > /tmp/a/b/f && echo y > /dev/shm/c/g && ln -s / /tmp/l && "
+               "mkfifo /tmp/p && chmod 0 /tmp/a/b && find /tmp /dev/shm -mindepth 1 | wc -l")
+    leave = {  # what a run leaves -> whether the next run gets the same root
+        "a sleeper": (["sh", "-c", "sleep 300 & echo started"], True),  # reused, but the sleeper dies
+        "files in /tmp and /dev/shm": (["sh", "-c", scratch], True),  # emptied
+        "a file": (["sh", "-c", "echo x > /var/left"], False),
+        "a mode": (["chmod", "700", "/"], False),
+        "the mode of /tmp": (["chmod", "700", "/tmp"], False),
+        "a SysV segment": (py("import ctypes; assert ctypes.CDLL(None).shmget(1234, 4096, 0o1666) >= 0"), False),
+        "a key": (py(f"import ctypes; assert ctypes.CDLL(None).syscall({ADD_KEY}, b'user', b'k', b'v', 1, -4) > 0"),
+                  False),
     }
     requests = [case.req(pid), case.req(pid)]
-    for argv in leave.values():
+    for argv, _ in leave.values():
         requests += [case.req(argv), case.req(pid)]
     out = [r.stdout.decode().split() for r in case.run(*requests)]
-    assert out[0] == ["2", "755", "1", "0"], "a fresh init: the command is pid 2"
-    assert int(out[1][0]) > 2 and out[1][1:] == ["755", "1", "0"], "the untouched root was reused"
-    for i, what in enumerate(leave):
+    assert out[2 + 2 * list(leave).index("files in /tmp and /dev/shm")] == ["7"], "the run left them"
+    fresh = ["755", "1777", "1", "0"]
+    assert out[0] == ["2", *fresh], "a fresh init: the command is pid 2"
+    assert int(out[1][0]) > 2 and out[1][1:] == fresh, "the untouched root was reused"
+    for i, (what, (_, reused)) in enumerate(leave.items()):
         assert case.run(requests[2 + 2 * i])[0].exit_code == 0, what
         after = out[3 + 2 * i]
-        if what == "a sleeper":
-            assert int(after[0]) > 2 and after[1:] == ["755", "1", "0"], f"{what}: reused, the sleeper gone"
+        if reused:
+            assert int(after[0]) > 2 and after[1:] == fresh, f"{what}: reused, nothing left ({after})"
         else:
-            assert after == ["2", "755", "1", "0"], f"after {what}: a fresh root ({after})"
+            assert after == ["2", *fresh], f"after {what}: a fresh root ({after})"
+
+
+@pytest.mark.parametrize("case", ["kernel", "userns"], indirect=True)
+def test_a_host_directory_bound_under_tmp_is_never_emptied(case):
+    host = case.state_dir / "bound"
+    host.mkdir()
+    if case.user is not None:
+        os.chown(host, case.user, case.user)
+    write = case.req(["sh", "-c", 'echo "$$"; echo kept > /tmp/data/x'])
+    again = case.req(["sh", "-c", 'echo "$$"; cat /tmp/data/x'])
+    out = case.run(write, again, binds=[[str(host), "/tmp/data", False]])
+    assert [r.stdout for r in out] == [b"2\n", b"2\nkept\n"], "a fresh root after a run with a bind in /tmp"
+    assert (host / "x").read_text() == "kept\n"
 
 
 @pytest.mark.parametrize("case", ["kernel", "userns"], indirect=True)
@@ -651,6 +671,10 @@ def test_apptainer_command_maps_the_request():
     cmd = apptainer_command(layers, RunRequest(("ls",), workdir="/", network=True, env={"LDFLAGS": "-Wl,-z"}))
     assert "--net" not in cmd and cmd[cmd.index("--pwd") + 1] == "/"
     assert cmd[:3] == ["env", "APPTAINERENV_LDFLAGS=-Wl,-z", "apptainer"]  # --env would split at the comma
+    files = {"/tmp/g/h.py": b"", "/tmp/g/n": b"", "case.py": b"", "/etc/x": b""}
+    cmd = apptainer_command(layers, RunRequest(("true",), files=files), files_dir=Path("/st"))
+    binds = [cmd[i + 1] for i, word in enumerate(cmd) if word == "--bind"]
+    assert binds == ["/st/tmp:/tmp:rw", "/st/etc/x:/etc/x:rw", "/st/testbed/case.py:/testbed/case.py:rw"]
 
 
 def test_doctor_explains_the_choice():

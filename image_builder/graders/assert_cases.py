@@ -12,11 +12,11 @@ from __future__ import annotations
 from image_builder.execution import Executor
 
 from .options import GradeOptions
-from .pyharness import harness_request, no_report_reason, process_failure, read_outcome
+from .pyharness import SCRATCH, harness_request, no_report_reason, process_failure, read_outcome
 from .results import CaseResult, CaseStatus, GradeResult, from_cases
 from .tasks import AssertTask
 
-CASE_FILE = "_ib_case.py"
+CASE_FILE = f"{SCRATCH}/_ib_case.py"
 
 
 def grade_asserts(task: AssertTask, solution: str, executor: Executor, options: GradeOptions) -> GradeResult:

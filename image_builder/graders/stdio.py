@@ -19,12 +19,12 @@ from decimal import Decimal, InvalidOperation
 from image_builder.execution import Executor, RunRequest
 
 from .options import GradeOptions
-from .pyharness import harness_request, last_line, no_report_reason, process_failure, read_outcome, tail
+from .pyharness import SCRATCH, harness_request, last_line, no_report_reason, process_failure, read_outcome, tail
 from .results import CaseResult, CaseStatus, GradeResult, TaskStatus, from_cases
 from .tasks import StdioTask
 
-SOLUTION_FILE = "_ib_solution.py"
-CALL_FILE = "_ib_call.json"
+SOLUTION_FILE = f"{SCRATCH}/_ib_solution.py"
+CALL_FILE = f"{SCRATCH}/_ib_call.json"
 
 
 def grade_stdio(task: StdioTask, solution: str, executor: Executor, options: GradeOptions) -> GradeResult:

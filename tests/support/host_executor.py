@@ -14,8 +14,10 @@ an instance's throwaway layer over its image) and runs as a real process tree:
 - stdin is a regular file on fd 0, as judges give it; stdout and stderr are
   drained to the end but only the first `max_output` bytes of each are kept.
 
-Only relative paths are accepted for `files` and `workdir`: the temp dir stands
-for the instance's workdir, and the host's own tree is not the instance's.
+Paths in `files` and `workdir` are relative (the temp dir stands for the instance's
+workdir: the host's own tree is not the instance's), or under /tmp: each run has a
+/tmp of its own (a directory of the temp dir, bound over /tmp in a mount namespace),
+as in the sandbox.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ class HostExecutor:
         self.max_processes = max_processes
 
     def run(self, request: RunRequest) -> RunResult:
-        run_dir = Path(tempfile.mkdtemp(prefix="ib-host-run-"))
+        run_dir = Path(tempfile.mkdtemp(prefix="ib-host-run-", dir="/var/tmp"))  # not under the /tmp it hides
         run_dir.chmod(0o711)  # the run's user reaches work/ through it; stdin stays root's, passed as an open fd
         try:
             return self._run_in(run_dir, request)
@@ -97,13 +99,17 @@ class HostExecutor:
             shutil.copytree(self.template, work, symlinks=True)
         else:
             work.mkdir()
+        tmp = run_dir / "tmp"
+        tmp.mkdir(mode=0o1777)
+        tmp.chmod(0o1777)
         for name, content in request.files.items():
-            target = _inside(work, name)
+            target = _inside(work, tmp, name)
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(content)
-        cwd = _inside(work, request.workdir) if request.workdir else work
+        cwd = _inside(work, tmp, request.workdir) if request.workdir else work
         if self.run_as is not None:
             _chown_tree(work, self.run_as)
+            _chown_tree(tmp, self.run_as)
         stdin_path = run_dir / "stdin"
         stdin_path.write_bytes(request.stdin or b"")
         env = {"PATH": BASE_PATH, "HOME": str(work), "TMPDIR": str(work), "LANG": "C.UTF-8",
@@ -112,7 +118,7 @@ class HostExecutor:
         try:
             with open(stdin_path, "rb") as stdin:
                 start = time.monotonic()
-                proc = subprocess.Popen(self._argv(request, status_write), cwd=cwd, env=env, stdin=stdin,
+                proc = subprocess.Popen(self._argv(request, status_write, tmp), cwd=cwd, env=env, stdin=stdin,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(status_write,),
                                         start_new_session=True)
         except OSError:
@@ -140,8 +146,8 @@ class HostExecutor:
                          wall_time=wall, peak_memory_kb=peak, stdout=stdout, stderr=stderr,
                          truncated=readers[0].truncated or readers[1].truncated)
 
-    def _argv(self, request: RunRequest, status_fd: int) -> list[str]:
-        ns = ["unshare", "--pid", "--fork", "--kill-child"]
+    def _argv(self, request: RunRequest, status_fd: int, tmp: Path) -> list[str]:
+        ns = ["unshare", "--pid", "--mount", "--fork", "--kill-child"]
         if not self.root:
             ns[1:1] = ["--user", "--map-root-user"]
         if not request.network:
@@ -150,7 +156,8 @@ class HostExecutor:
         nproc = "-" if self.run_as is None else str(self.max_processes)
         address_space = "-" if request.memory_mb is None else str(request.memory_mb << 20)
         init = [sys.executable, "-I", "-S", "-c", _INIT, str(status_fd), uid, nproc, address_space]
-        return [*ns, "--", *init, *request.argv]
+        private_tmp = ["sh", "-c", 'mount --bind "$0" /tmp && exec "$@"', str(tmp)]
+        return [*ns, "--", *private_tmp, *init, *request.argv]
 
 
 class _CappedReader:
@@ -183,11 +190,11 @@ class _CappedReader:
         return b"".join(self.chunks)
 
 
-def _inside(root: Path, relative: str) -> Path:
-    path = Path(relative)
-    if path.is_absolute() or ".." in path.parts:
-        raise HostExecutorError(f"host executor takes only paths relative to the workdir, not {relative!r}")
-    return root / path
+def _inside(root: Path, tmp: Path, name: str) -> Path:
+    path = Path(name)
+    if ".." in path.parts or (path.is_absolute() and path.parts[1:2] != ("tmp",)):
+        raise HostExecutorError(f"host executor takes only paths relative to the workdir or under /tmp, not {name!r}")
+    return tmp.joinpath(*path.parts[2:]) if path.is_absolute() else root / path
 
 
 def _chown_tree(root: Path, uid: int) -> None:
