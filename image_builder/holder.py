@@ -278,11 +278,11 @@ def _init_main(spec: RootSpec, ctl: socket.socket) -> None:
     given to that session; EOF before a job means the init was not needed.
 
     A run that left its root as it found it (it wrote nothing but in /tmp or /dev/shm,
-    which are emptied: a test that only reads, `python3 -c pass`, a grader's case whose files are
-    in /tmp) and all of whose processes are gone leaves nothing a next run could see, so
-    the init offers itself for another job ("reusable"), saving the fork, the mounts and
-    their teardown. Not under cgroup v2 memory accounting, whose peak
-    and OOM counters are the cgroup's whole life."""
+    which are emptied: a test that only reads, `python3 -c pass`, a grader's case whose
+    files are in /tmp) and all of whose processes are gone leaves nothing a next run
+    could see, so the init offers itself for another job ("reusable"), saving the fork,
+    the mounts and their teardown. Not under cgroup v2 memory accounting, whose peak and
+    OOM counters are the cgroup's whole life."""
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     error = None
