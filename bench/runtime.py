@@ -164,6 +164,27 @@ def cli_run(work: Path, img: dict) -> float:
     return timed(cmd, repeat=21)
 
 
+HEAVY = ("click", "rich", "requests", "zstandard", "yaml", "tenacity")  # the runtime dependencies
+
+
+def import_times(argv: list[str]) -> tuple[dict[str, float], set[str]]:
+    """`python -X importtime ARGV`: cumulative ms of each top-level import ("" for their
+    sum), and every module imported."""
+    r = subprocess.run([str(ROOT / ".venv/bin/python"), "-X", "importtime", *argv], capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"{argv} failed: {r.stderr[-1500:]}")
+    tops, every = {}, set()
+    for line in r.stderr.splitlines():
+        parts = line.split("|")
+        if line.startswith("import time:") and len(parts) == 3 and parts[1].strip().isdigit():
+            name = parts[2].rstrip()
+            every.add(name.strip())
+            if not name.startswith("  "):  # depth 0: imported by the program itself
+                tops[name.strip()] = tops.get(name.strip(), 0) + int(parts[1]) / 1000
+    tops[""] = sum(tops.values())
+    return tops, every
+
+
 # --- the report -------------------------------------------------------------------------------------------
 
 
@@ -246,6 +267,16 @@ def main(rounds: int = 40) -> Report:
             report.rows.append(Row("CLI: image-builder run ID python3 -c pass, fresh process (kernel, warm)",
                                    cli_run(work, img) * 1000, "ch-run FILE.sqfs", ms["ch-run FILE.sqfs"],
                                    "< 100 ms", "ms"))
+            ours_imports, modules = import_times([str(ROOT / ".venv/bin/image-builder"), "run", "--store",
+                                                  str(work / "store"), "inst", "--", *PASS])
+            bare_imports, _ = import_times(["-c", "pass"])
+            report.rows.append(Row("CLI run path: imports (python -X importtime, cumulative)", ours_imports[""],
+                                   "the bare interpreter's (python -c pass)", bare_imports[""], "", "ms"))
+            heaviest = sorted(((t, n) for n, t in ours_imports.items() if n and n not in bare_imports), reverse=True)
+            loaded = [n for n in HEAVY if any(m == n or m.startswith(n + ".") for m in modules)]
+            report.notes.append("run path imports beyond the bare interpreter's, heaviest first: "
+                                + ", ".join(f"{n} {t:.1f} ms" for t, n in heaviest[:4])
+                                + f"; runtime dependencies loaded: {', '.join(loaded) or 'none'}")
         for _, worker_ in userns:
             worker_.close()
         load = os.getloadavg()

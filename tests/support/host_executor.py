@@ -40,12 +40,17 @@ from image_builder.execution import RunRequest, RunResult
 SANDBOX_UID = 60321
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
-# argv: status_fd  uid|-  nproc|-  as_bytes|-  cmd...
+# argv: status_fd  uid|-  nproc|-  as_bytes|-  tmp  cmd...
 _INIT = r"""
-import os, resource, sys
+import ctypes, os, resource, sys
 status_fd = int(sys.argv[1])
-uid, nproc, address_space = sys.argv[2:5]
-cmd = sys.argv[5:]
+uid, nproc, address_space, tmp = sys.argv[2:6]
+cmd = sys.argv[6:]
+# The run's own /tmp, bound here, in this mount namespace, once this interpreter is loaded: it
+# may itself live under the host's /tmp.
+if ctypes.CDLL(None, use_errno=True).mount(tmp.encode(), b"/tmp", None, 4096, None) != 0:  # MS_BIND
+    os.write(2, ("cannot bind %s over /tmp: %s\n" % (tmp, os.strerror(ctypes.get_errno()))).encode())
+    os._exit(126)
 child = os.fork()
 if child == 0:
     os.close(status_fd)
@@ -155,9 +160,8 @@ class HostExecutor:
         uid = "-" if self.run_as is None else str(self.run_as)
         nproc = "-" if self.run_as is None else str(self.max_processes)
         address_space = "-" if request.memory_mb is None else str(request.memory_mb << 20)
-        init = [sys.executable, "-I", "-S", "-c", _INIT, str(status_fd), uid, nproc, address_space]
-        private_tmp = ["sh", "-c", 'mount --bind "$0" /tmp && exec "$@"', str(tmp)]
-        return [*ns, "--", *private_tmp, *init, *request.argv]
+        init = [sys.executable, "-I", "-S", "-c", _INIT, str(status_fd), uid, nproc, address_space, str(tmp)]
+        return [*ns, "--", *init, *request.argv]
 
 
 class _CappedReader:
