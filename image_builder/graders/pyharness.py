@@ -26,7 +26,7 @@ from .results import CaseStatus
 
 # The run's files go to /tmp, which the runtime empties after each run: a case that writes
 # nothing else leaves its root to the next case, with no fresh root to build (bench/graders:
-# 196 cases a second, 115 with the files in the working directory). The working directory
+# 174-196 cases a second, 115 with the files in the working directory). The working directory
 # stays the instance's.
 SCRATCH = "/tmp/.ib-grader"
 HARNESS_FILE = f"{SCRATCH}/_ib_harness.py"
