@@ -10,7 +10,7 @@ import os
 
 from .mounts import read_file, write_file
 
-__all__ = ["Cgroups", "cgroup_limits", "cgroup_verdict", "locate_cgroups"]
+__all__ = ["Cgroups", "cgroup_limits", "cgroup_verdict", "locate_cgroups", "start_join_grace_period"]
 
 
 def _own_cgroups() -> dict[str, str]:
@@ -46,6 +46,20 @@ def locate_cgroups() -> tuple[str, str] | None:
     if os.geteuid() == 0 and "pids" in own and os.path.exists(f"{fs}/pids/cgroup.procs"):
         return "v1", os.path.normpath(f"{fs}/pids/{own['pids']}")
     return None
+
+
+def start_join_grace_period(kind: str) -> None:
+    """Joining a cgroup waits out an RCU grace period (the kernel's cgroup_threadgroup_rwsem),
+    holding the cgroup lock, unless another join came just before: 14 ms here, paid by a new
+    holder's first init. Called as a holder is started: a detached shell rejoins its own
+    cgroup now, so that the wait passes while the holder starts up (about 15 ms)."""
+    import subprocess
+
+    own = _own_cgroups()
+    fs = "/sys/fs/cgroup"
+    v2fs = fs if os.path.exists(f"{fs}/cgroup.controllers") else f"{fs}/unified"
+    procs = f"{fs}/pids{own['pids']}/cgroup.procs" if kind == "v1" else f"{v2fs}{own['']}/cgroup.procs"
+    subprocess.run(["sh", "-c", '(echo 0 > "$0") 2>/dev/null &', procs], stdin=subprocess.DEVNULL)
 
 
 def _rmdir_cgroups(path: str) -> None:

@@ -53,7 +53,7 @@ from pathlib import Path
 
 from .execution import DEFAULT_PATH, Bind, RunRequest, RunResult
 from .holder import DEFAULT_MAX_PROCESSES, IDLE_INIT, INLINE_JOB, recv_fds, run_joined, send_fds
-from .cgroups import locate_cgroups
+from .cgroups import locate_cgroups, start_join_grace_period
 from .mounts import RootSpec, RunnerError, squashfuse
 
 __all__ = [
@@ -364,6 +364,9 @@ def _start_holder(state_dir: Path, kernel: bool, name: str) -> None:
     import subprocess
 
     state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    cgroups = locate_cgroups()
+    if cgroups:
+        start_join_grace_period(cgroups[0])
     root = str(Path(__file__).resolve().parents[1])
     # -S: no site-packages scan; the holder needs the standard library and this package only.
     boot = f"import sys; sys.path[:0] = [{root!r}]; from image_builder.holder import holder_main; " \
