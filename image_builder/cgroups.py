@@ -24,6 +24,14 @@ def _own_cgroups() -> dict[str, str]:
     return out
 
 
+_FS = "/sys/fs/cgroup"
+
+
+def _v2_root() -> str:
+    """Where cgroup v2 is mounted: the cgroup fs itself, or its unified/ on a hybrid host."""
+    return _FS if os.path.exists(f"{_FS}/cgroup.controllers") else f"{_FS}/unified"
+
+
 def locate_cgroups() -> tuple[str, str] | None:
     """Where per-run cgroups can go, changing nothing: ("v2", dir), the nearest ancestor
     of our cgroup v2 that we own and that hands memory and pids to its children (e.g.
@@ -31,8 +39,7 @@ def locate_cgroups() -> tuple[str, str] | None:
     (RLIMIT_NPROC never limits host root, which the kernel backend's runs are); None:
     rlimits only."""
     own = _own_cgroups()
-    fs = "/sys/fs/cgroup"
-    v2fs = fs if os.path.exists(f"{fs}/cgroup.controllers") else f"{fs}/unified"
+    v2fs = _v2_root()
     if "" in own and os.path.exists(f"{v2fs}/cgroup.controllers"):
         cg = os.path.normpath(f"{v2fs}/{own['']}")
         while cg.startswith(v2fs):
@@ -43,8 +50,8 @@ def locate_cgroups() -> tuple[str, str] | None:
             except OSError:
                 break
             cg = os.path.dirname(cg)
-    if os.geteuid() == 0 and "pids" in own and os.path.exists(f"{fs}/pids/cgroup.procs"):
-        return "v1", os.path.normpath(f"{fs}/pids/{own['pids']}")
+    if os.geteuid() == 0 and "pids" in own and os.path.exists(f"{_FS}/pids/cgroup.procs"):
+        return "v1", os.path.normpath(f"{_FS}/pids/{own['pids']}")
     return None
 
 
@@ -56,9 +63,7 @@ def start_join_grace_period(kind: str) -> None:
     import subprocess
 
     own = _own_cgroups()
-    fs = "/sys/fs/cgroup"
-    v2fs = fs if os.path.exists(f"{fs}/cgroup.controllers") else f"{fs}/unified"
-    procs = f"{fs}/pids{own['pids']}/cgroup.procs" if kind == "v1" else f"{v2fs}{own['']}/cgroup.procs"
+    procs = f"{_FS}/pids{own['pids']}/cgroup.procs" if kind == "v1" else f"{_v2_root()}{own['']}/cgroup.procs"
     subprocess.run(["sh", "-c", '(echo 0 > "$0") 2>/dev/null &', procs], stdin=subprocess.DEVNULL)
 
 
