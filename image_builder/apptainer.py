@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import posixpath
 import time
 from pathlib import Path
 
@@ -32,7 +31,7 @@ def apptainer_command(layers: InstanceLayers, request: RunRequest, *, binds: tup
         cmd += ["--bind", f"{b.src}:{b.dest}:{'ro' if b.readonly else 'rw'}"]
     if request.files and files_dir is None:
         raise RunnerError("request.files needs files_dir, a host directory holding them")
-    inside = sorted({posixpath.join(workdir, path) for path in request.files})
+    inside = sorted(request.placed_files(layers.workdir))
     if any(path.startswith("/tmp/") for path in inside):
         cmd += ["--bind", f"{files_dir}/tmp:/tmp:rw"]
     for path in inside:
@@ -60,9 +59,8 @@ class ApptainerSession(Session):
         import tempfile
 
         with tempfile.TemporaryDirectory(prefix="ib-apptainer-") as staged:
-            workdir = request.workdir or self.layers.workdir
-            for path, data in request.files.items():
-                host = Path(staged, posixpath.join(workdir, path).lstrip("/"))
+            for path, data in request.placed_files(self.layers.workdir).items():
+                host = Path(staged, path.lstrip("/"))
                 host.parent.mkdir(parents=True, exist_ok=True)
                 host.write_bytes(data)
             cmd = apptainer_command(self.layers, request, binds=self.binds, files_dir=Path(staged))

@@ -6,6 +6,7 @@ interface, so a grader never needs to know how an instance is mounted.
 
 from __future__ import annotations
 
+import posixpath
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -36,6 +37,11 @@ class RunRequest:
     memory_mb: int | None = None
     max_output: int = 1 << 20  # bytes kept of stdout and of stderr each; the rest is dropped
     network: bool = False
+
+    def placed_files(self, default_workdir: str) -> dict[str, bytes]:
+        """`files` by their absolute paths inside (a relative one is under the workdir)."""
+        workdir = self.workdir or default_workdir
+        return {posixpath.join(workdir, path): data for path, data in self.files.items()}
 
 
 @dataclass(frozen=True)

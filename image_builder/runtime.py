@@ -216,7 +216,7 @@ def build_job(layers: InstanceLayers, request: RunRequest, max_processes: int) -
     if not request.argv:
         raise RunnerError("empty argv: give the command to run")
     workdir = request.workdir or layers.workdir
-    files = {os.path.join(workdir, path): data for path, data in request.files.items()}  # relative: to workdir
+    files = request.placed_files(layers.workdir)
     return {"argv": list(request.argv), "env": {"PATH": DEFAULT_PATH, "HOME": "/root", **layers.env, **request.env},
             "workdir": workdir, "files": files,
             "timeout": request.timeout, "memory_mb": request.memory_mb, "max_processes": max_processes}
