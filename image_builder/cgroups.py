@@ -1,7 +1,7 @@
 """Per-run cgroups: where they can go on this host (a delegated cgroup v2 subtree, or
-the v1 pids hierarchy as root), one cgroup per run under the holder's own tree, the
-run's limits in it and its memory verdict. Lean, like image_builder.mounts: the
-holder imports it.
+the v1 pids hierarchy as root) and one cgroup per run under the holder's own tree.
+The run's init (native/init.c) sets its limits there and reads its memory verdict.
+Lean, like image_builder.mounts: the holder imports it.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import os
 
 from .mounts import read_file, write_file
 
-__all__ = ["Cgroups", "cgroup_limits", "cgroup_verdict", "locate_cgroups", "start_join_grace_period"]
+__all__ = ["Cgroups", "locate_cgroups", "start_join_grace_period"]
 
 
 def _own_cgroups() -> dict[str, str]:
@@ -140,24 +140,3 @@ class Cgroups:
                 pass
             except OSError:
                 self.trash.append(p)
-
-
-def cgroup_limits(cg: int, memory_mb: int | None, max_processes: int) -> bool:
-    """Set a run's limits in its cgroup; False if memory is not limited there (v1 pids)."""
-    write_file("pids.max", str(max_processes), cg)
-    if not read_file("memory.max", cg):
-        return False
-    write_file("memory.max", str(memory_mb << 20) if memory_mb else "max", cg)
-    if read_file("memory.swap.max", cg):  # absent without swap accounting
-        write_file("memory.swap.max", "0" if memory_mb else "max", cg)
-    return True
-
-
-def cgroup_verdict(cg: int) -> tuple[bool | None, int | None]:
-    """(killed for memory, peak memory in KB) of a run's cgroup; None where unknown (v1)."""
-    events = read_file("memory.events", cg)
-    if not events:
-        return None, None
-    counts = dict(ln.split()[:2] for ln in events.splitlines() if len(ln.split()) >= 2)
-    peak = read_file("memory.peak", cg).strip()
-    return int(counts.get("oom_kill", "0")) > 0, (int(peak) // 1024 if peak.isdigit() else None)

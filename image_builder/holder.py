@@ -1,5 +1,5 @@
-"""The per-user holder process: it keeps layers mounted, and forks the inits that
-give each run a fresh writable root over them (built from image_builder.mounts).
+"""The per-user holder process: it keeps layers mounted, and starts the inits
+(image_builder/native/init.c) that give each run a fresh writable root over them.
 The sessions talking to it are runtime._HolderSession.
 
 Why it is built this way (figures from one of these 2-core VMs):
@@ -15,47 +15,48 @@ Why it is built this way (figures from one of these 2-core VMs):
   runs and drops every mount with the namespace: nothing is ever mounted in the
   host's namespace, so nothing can go stale there.
 - A run's root needs a new process (pid 1 of a new pid namespace, a new mount
-  namespace for its overlay), and fork() of a Python process costs about 1 ms
-  here with its exit. So the holder forks each run's init ahead of time, at a
-  session's request, and hands the session the init's control socket: the init
+  namespace for its overlay). The holder starts each run's init ahead of time, at
+  a session's request, and hands the session the init's control socket: the init
   builds the root (tmpfs upper + overlay, /proc, /dev, pivot_root) and drops
   privileges while the session is busy elsewhere; a run then sends its job to a
-  ready init, which posix_spawns the command (vfork: no second fork), waits and
-  answers. The holder is not on a run's path. Being pid 1, the init kills every
-  other process of the run when the command ends.
-- Setting up and tearing down a root costs about 3 ms of CPU here (fork and exit
-  of a Python process, a dozen mounts, namespaces), about as much as bwrap's: a
-  run that left its root untouched (see _init_main) gets the same init back for
-  its next run, which then costs a message and a posix_spawn.
+  ready init, which posix_spawns the command, waits and answers. The holder is not
+  on a run's path. Being pid 1, the init kills every other process of the run when
+  the command ends.
+- The init is a small static C program started with posix_spawn, not a fork of
+  this Python process: a fork cost about 3.7 ms of CPU per root (copy-on-write
+  faults on the interpreter's heap and its teardown), the C init 0.1 ms to start.
+  Setting up and tearing down a root (a dozen mounts, namespaces) still costs about
+  as much CPU as bwrap's, so a run that left its root untouched (init.c says how
+  that is checked) gets the same init back for its next run, which then costs a
+  message and a posix_spawn.
 - This module stays lean (no dataclasses, pathlib, json, hashlib): the holder
-  boots on a cold start and is forked per run; those imports cost 30+ ms and
-  3 MB more to copy on every fork here.
+  boots on a cold start; those imports cost 30+ ms.
 - Each init drops into a nested user namespace mapping just root: the run can
   mount, unmount or remount nothing (the layers and /proc masks stay put), real
   root (kernel backend) keeps no capability on the host, and rootless RLIMIT_NPROC
   counts only the run's own processes (the kernel counts per user namespace; host
   root it never counts: there a pids cgroup per run does it).
 
-Protocol (SOCK_SEQPACKET, marshal: both ends are the same interpreter, the
-socket name says which; descriptors passed with SCM_RIGHTS):
+Protocol (SOCK_SEQPACKET; descriptors passed with SCM_RIGHTS). Session and holder
+speak marshal (the same interpreter at both ends: the socket name says which):
   session -> holder  {"op": "open", "layers": [(path, offset, size)...], "binds": [(src, dest, ro)...],
                       (size -1: path is a directory, bound read-only)
                       "linger": s, "scratch_mb": n}        answer {"spec": {...}} or {"error": text}
   session -> holder  {"op": "init", "network": b}          answer {"network": b} + the init's control socket
-  session -> init    {"argv", "env", "workdir", "files": {path: bytes}, "timeout", "memory_mb",
-                      "max_processes"} + stdin, stdout, stderr (a big job: {"payload": n} + a memfd)
-  init -> session    {"exit_code", "signal", "timed_out", "peak_memory_kb", "out_of_memory", "reusable"}
-                     or {"error"}; after "reusable": true the session may send the next job on the socket
+Session and init:
+  session -> init    encode_job(job) (format in init.c) + stdin, stdout, stderr (a big job:
+                     job_message() + a memfd holding it)
+  init -> session    marshal {"exit_code", "signal", "timed_out", "peak_memory_kb", "out_of_memory",
+                     "reusable"} or {"error"}; after "reusable": true the session may send the next job
 """
 
 from __future__ import annotations
 
 import array
 import errno
-import gc
+import fcntl
 import marshal
 import os
-import resource
 import select
 import signal
 import socket
@@ -63,18 +64,30 @@ import struct
 import sys
 import time
 
-from .cgroups import Cgroups, cgroup_limits, cgroup_verdict, locate_cgroups
-from .mounts import (CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWUSER, MS_NODEV, MS_NOSUID, MS_RDONLY, MS_REC,
-                     MS_SLAVE, PR_SET_DUMPABLE, PR_SET_PDEATHSIG, RootSpec, RunnerError, bind_readonly, dev_template,
-                     enter_root, fuse_mount, hold_tree, loop_mount, loopback_up, map_root, mount, prctl, setns,
-                     umount, unshare)
+from .cgroups import Cgroups, locate_cgroups
+from .mounts import (CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWUSER, INIT_MISSING, MS_NODEV, MS_NOSUID,
+                     MS_RDONLY, MS_REC, MS_SLAVE, PR_SET_PDEATHSIG, RootSpec, RunnerError, bind_readonly,
+                     dev_template, fuse_mount, hold_tree, init_program, loop_mount, loopback_up, map_root, mount,
+                     prctl, setns, umount, unshare)
 
-__all__ = ["DEFAULT_MAX_PROCESSES", "IDLE_INIT", "INLINE_JOB", "holder_main", "recv_fds", "run_joined", "send_fds"]
+__all__ = ["DEFAULT_MAX_PROCESSES", "IDLE_INIT", "INLINE_JOB", "encode_job", "holder_main", "job_message", "memfd_with",
+           "recv_fds", "run_joined", "send_fds"]
 
 # --- messages ------------------------------------------------------------------------------
 
 MAX_MESSAGE = 1 << 16
 INLINE_JOB = 60_000  # bytes of a job sent in its message; a bigger one goes in a memfd
+
+
+def memfd_with(data: bytes) -> int:
+    """A memfd holding `data`, read from its start: a big job, a command's stdin (a
+    regular file, as judges give it: os.fstat(0).st_size works)."""
+    fd = os.memfd_create("data", os.MFD_CLOEXEC)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
 
 
 def send_fds(sock: socket.socket, msg: dict | bytes, fds: list[int] = ()) -> None:
@@ -99,228 +112,52 @@ def recv_fds(sock: socket.socket, maxfds: int = 8, flags: int = 0) -> tuple[dict
     return (marshal.loads(data) if data else None), list(fds)
 
 
-# --- running one command (init side) ---------------------------------------------------------
+# --- the inits (image_builder/native/init.c) ---------------------------------------------------
 
 DEFAULT_MAX_PROCESSES = 1024
 IDLE_INIT = 60.0  # seconds a ready init waits for its job before it leaves
-# Signals Python changes at start-up; the command gets the defaults back.
-_RESET_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGCHLD, signal.SIGTERM, signal.SIGQUIT,
-                  signal.SIGHUP, signal.SIGTTOU, signal.SIGTTIN, signal.SIGTSTP)
+_JOB_HEADER = struct.Struct("<4sIIIqqq")
 
 
-def _which(name: str, path: str) -> str:
-    if "/" in name:
-        return name
-    for d in path.split(":"):
-        candidate = f"{d or '.'}/{name}"
-        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
-            return candidate
-    raise FileNotFoundError(errno.ENOENT, "command not found", name)
+def encode_job(job: dict) -> bytes:
+    """A job (runtime.build_job) as image-builder-init reads it (the format is in init.c)."""
+    parts = [_JOB_HEADER.pack(b"IBJ1", len(job["argv"]), len(job["env"]), len(job["files"]),
+                              -1 if job["timeout"] is None else int(job["timeout"] * 1e6), job["memory_mb"] or 0,
+                              job["max_processes"])]
+    for text in (job["workdir"], *job["argv"], *(f"{k}={v}" for k, v in job["env"].items())):
+        if "\0" in text:
+            raise RunnerError(f"{text[:40]!r}: a NUL character cannot be passed to a command")
+        parts.append(os.fsencode(text) + b"\0")
+    for path, data in job["files"].items():
+        parts += [os.fsencode(path) + b"\0", struct.pack("<Q", len(data)), bytes(data)]
+    return b"".join(parts)
 
 
-def _write_files(files: dict[str, bytes]) -> None:
-    """Into the run's writable layer, after pivot_root: the image's symlinks lead nowhere
-    but inside, so they are followed as the command would."""
-    for path, data in files.items():
-        if not path.startswith("/"):
-            raise RunnerError(f"file path {path!r} must be absolute")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-        finally:
+def job_message(job: bytes) -> bytes:
+    """The message carrying an encoded job: itself, or for a big one its size (the job
+    then goes in a memfd, the message's last descriptor)."""
+    return job if len(job) <= INLINE_JOB else b"IBJP" + struct.pack("<Q", len(job))
+
+
+def spawn_init(program: str, spec: RootSpec, mode: str, ctl: int) -> int:
+    """Start image-builder-init for `spec` with `ctl` as its descriptor 3 (and the network
+    namespace to join as 4): "session" takes jobs there, "joined" one job, run on this
+    process's stdin, stdout and stderr. posix_spawn (vfork): nothing of this process is
+    copied. In a new pid namespace when the caller has unshared one."""
+    netns = spec.netns
+    argv = [program, mode, spec.base, spec.lower, str(int(spec.userxattr)), str(int(spec.network)),
+            str(spec.scratch_mb or ""), spec.upper or "", spec.cgroup or "", "-1" if netns is None else "4",
+            spec.console or "", str(int(IDLE_INIT))]
+    for src, dest, readonly in spec.binds:
+        argv += [src, dest, str(int(readonly))]
+    # Above 4 first: dup2 onto 3 and 4 must not overwrite one of the two before it is copied.
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10) for fd in (ctl, *(() if netns is None else (netns,)))]
+    try:
+        return os.posix_spawn(program, argv, {}, file_actions=[(os.POSIX_SPAWN_DUP2, fd, 3 + i)
+                                                                 for i, fd in enumerate(high)])
+    finally:
+        for fd in high:
             os.close(fd)
-
-
-def _spawn(job: dict, stdio: tuple[int, int, int], session: bool, cgroup: int | None) -> int:
-    """Start the command with posix_spawn (vfork: no 1 ms fork of this process). Limits
-    set on this init are inherited; the init itself needs little once it waits."""
-    try:
-        os.chdir(job["workdir"])
-    except OSError as e:
-        raise RunnerError(f"workdir {job['workdir']}: {e.strerror}; pass a directory that exists in the "
-                          "instance") from None
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    memory_in_cgroup = cgroup is not None and cgroup_limits(cgroup, job["memory_mb"], job["max_processes"])
-    if cgroup is None:  # counted per user namespace, so per run (but never for host root)
-        resource.setrlimit(resource.RLIMIT_NPROC, (job["max_processes"],) * 2)
-    if job["memory_mb"] and not memory_in_cgroup:
-        resource.setrlimit(resource.RLIMIT_AS, (job["memory_mb"] << 20,) * 2)
-    return os.posix_spawn(_which(job["argv"][0], job["env"].get("PATH", "")), job["argv"], job["env"],
-                          file_actions=[(os.POSIX_SPAWN_DUP2, fd, n) for n, fd in enumerate(stdio)],
-                          setsid=session, setsigdef=_RESET_SIGNALS, setsigmask=())
-
-
-def run_job(job: dict, stdio: tuple[int, int, int], *, client: socket.socket | None, cgroup: int | None,
-            session: bool = True) -> dict | None:
-    """As pid 1 of the run: spawn the command and wait for it; on timeout (or when the
-    client goes away: then there is nobody to tell, None) kill every process here."""
-    _write_files(job["files"])
-    try:
-        pid = _spawn(job, stdio, session, cgroup)
-    except OSError as e:
-        what = "command not found" if e.errno == errno.ENOENT else e.strerror
-        os.write(stdio[2], f"image-builder: cannot run {job['argv'][0]!r}: {what}\n".encode())
-        return {"exit_code": 127 if e.errno == errno.ENOENT else 126, "signal": None, "timed_out": False,
-                "peak_memory_kb": None, "out_of_memory": False}
-    for fd in stdio:  # the command has them: their EOF must not wait for this init
-        if fd > 2:
-            os.close(fd)
-    pidfd = os.pidfd_open(pid)
-    poller = select.poll()
-    poller.register(pidfd, select.POLLIN)
-    if client is not None:
-        poller.register(client, select.POLLIN)  # the client sends nothing more: readable means gone
-    deadline = None if job["timeout"] is None else time.monotonic() + job["timeout"]
-    timed_out = False
-    while True:
-        wait = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000) + 1)
-        events = poller.poll(wait)
-        if any(fd == pidfd for fd, _ in events):
-            break
-        if events:
-            os.kill(-1, signal.SIGKILL)
-            return None
-        if deadline is not None and time.monotonic() >= deadline:
-            # From pid 1, kill(-1) reaches every process of this pid namespace,
-            # double forks and daemons included.
-            os.kill(-1, signal.SIGKILL)
-            timed_out = True
-            break
-    _, status, usage = os.wait4(pid, 0)
-    _end_all()
-    oom, peak = cgroup_verdict(cgroup) if cgroup is not None else (None, None)
-    return {"exit_code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
-            "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
-            "timed_out": timed_out, "peak_memory_kb": peak or usage.ru_maxrss, "out_of_memory": oom}
-
-
-def _end_all() -> None:
-    """From pid 1: kill every other process of the run (double forks and daemons too) and
-    reap them, so none outlives its run or holds its output open."""
-    try:
-        os.kill(-1, signal.SIGKILL)
-    except ProcessLookupError:  # nothing left
-        return
-    while True:
-        try:
-            os.waitpid(-1, 0)
-        except ChildProcessError:
-            return
-
-
-SCRATCH_DIRS = ("/tmp", "/dev/shm")  # tmpfs of a run's own (mounts.enter_root)
-
-
-def _traces(upper: int) -> tuple:
-    """What a run could leave for the next run in the same root: entries, owner, mode,
-    xattrs and times of the writable layer's top, the same but times of /tmp and
-    /dev/shm (tmpfs of their own, emptied after each run), SysV IPC objects, and keys
-    (counted per user of this user namespace). What else it could change, it cannot: it
-    owns no namespace."""
-    marks = []
-    for fd, times in ((upper, True), *((d, False) for d in SCRATCH_DIRS)):
-        st = os.stat(fd)
-        marks += [os.listdir(fd), os.listxattr(fd), st.st_mode, st.st_uid, st.st_gid]
-        marks += [st.st_mtime_ns, st.st_ctime_ns] if times else []
-    for name in ("sysvipc/shm", "sysvipc/msg", "sysvipc/sem", "key-users"):
-        try:
-            with open(f"/proc/{name}", "rb") as f:
-                marks.append(f.read())
-        except FileNotFoundError:  # a kernel without SysV IPC or keys: nothing to leave there
-            marks.append(b"")
-    return tuple(map(str, marks))
-
-
-def _empty(dir_fd: int, dev: int) -> None:
-    """Remove everything under a directory of file system `dev`, following no symlink and
-    entering no other file system (the run's processes are gone: nothing adds entries
-    meanwhile). Whatever fails leaves the root unreusable."""
-    for name in os.listdir(dir_fd):
-        try:
-            os.unlink(name, dir_fd=dir_fd)
-        except IsADirectoryError:
-            sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-            try:
-                if os.fstat(sub).st_dev != dev:
-                    raise OSError(errno.EXDEV, "a mount point", name) from None
-                _empty(sub, dev)
-            finally:
-                os.close(sub)
-            os.rmdir(name, dir_fd=dir_fd)
-
-
-def _empty_scratch(spec: RootSpec) -> bool:
-    """Empty the run's /tmp and /dev/shm (tmpfs of their own) for a next run in this
-    root; False if something stays, or if a host path is bound there (never emptied)."""
-    bound = [os.path.normpath("/" + dest.lstrip("/")).rstrip("/") + "/" for _, dest, _ in spec.binds]
-    if spec.upper or any(b.startswith(d + "/") or (d + "/").startswith(b) for b in bound for d in SCRATCH_DIRS):
-        return False
-    for path in SCRATCH_DIRS:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            return False
-        try:
-            _empty(fd, os.fstat(fd).st_dev)
-        except (OSError, RecursionError):
-            return False
-        finally:
-            os.close(fd)
-    return True
-
-
-def _init_main(spec: RootSpec, ctl: socket.socket) -> None:
-    """An init forked ahead of time: build the root, wait for a job from the session
-    holding the other end of `ctl`, run it, answer there. A setup error is kept and
-    given to that session; EOF before a job means the init was not needed.
-
-    A run that left its root as it found it (it wrote nothing but in /tmp or /dev/shm,
-    which are emptied: a test that only reads, `python3 -c pass`, a grader's case whose
-    files are in /tmp) and all of whose processes are gone leaves nothing a next run
-    could see, so the init offers itself for another job ("reusable"), saving the fork,
-    the mounts and their teardown. Not under cgroup v2 memory accounting, whose peak and
-    OOM counters are the cgroup's whole life."""
-    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    error = None
-    cgroup = upper = None
-    try:
-        cgroup, upper = enter_root(spec)
-    except (OSError, RunnerError) as e:
-        error = f"cannot build the instance's root: {e}"
-    # The command runs as the same uid as this init: it could ptrace the init (or read
-    # /proc/1/fd) and forge the answer. Non-dumpable, the init can only be traced with
-    # CAP_SYS_PTRACE in the namespace its memory was made in: the host's. (Not before
-    # enter_root: its own /proc files become root's, uid_map included.)
-    prctl(PR_SET_DUMPABLE, 0)
-    pristine = _traces(upper) if error is None else None
-    while True:
-        if not select.select([ctl], [], [], IDLE_INIT)[0]:
-            return  # a spare nobody used: a session that is kept open holds nothing for long
-        job, fds = recv_fds(ctl)
-        if job is None:
-            return
-        if "payload" in job:
-            job = marshal.loads(os.pread(fds[3], job["payload"], 0))
-            os.close(fds[3])
-        if error is None:
-            try:
-                out = run_job(job, (fds[0], fds[1], fds[2]), client=ctl, cgroup=cgroup)
-            except (OSError, RunnerError) as e:
-                error = str(e) if isinstance(e, RunnerError) else f"cannot start {job['argv'][0]!r}: {e}"
-        if error is not None:
-            send_fds(ctl, {"error": error})
-            return
-        if out is None:
-            return
-        out["reusable"] = (not out["timed_out"] and out["out_of_memory"] is None and _empty_scratch(spec)
-                           and _traces(upper) == pristine)
-        send_fds(ctl, out)
-        if not out["reusable"]:
-            return
 
 
 # --- the holder -----------------------------------------------------------------------------------
@@ -361,11 +198,12 @@ class _Session:
 
 
 class Holder:
-    """Mounts layers for sessions and forks inits for them (see the module docstring)."""
+    """Mounts layers for sessions and starts inits for them (see the module docstring)."""
 
-    def __init__(self, kernel: bool, base: str, cgroups: Cgroups | None):
+    def __init__(self, kernel: bool, base: str, cgroups: Cgroups | None, init_program: str):
         self.kernel = kernel
         self.base = base
+        self.init_program = init_program
         self.cgroups = cgroups
         self.layers: dict[tuple, _Mounted] = {}
         self.stacks: dict[tuple, _Mounted] = {}
@@ -373,7 +211,7 @@ class Holder:
         self.inits: dict[int, _Init] = {}
         # A ready init (made when, its control socket) per lingering session spec: a fresh
         # process's session (`image-builder run`, once per command) starts on it instead of
-        # waiting 10-20 ms for one to be forked and set up (joining a cgroup waits for RCU).
+        # waiting 10-20 ms for one to be started and set up (joining a cgroup waits for RCU).
         self.spares: dict[tuple, tuple[float, socket.socket]] = {}
         self.free_netns: list[int] = []
         self.counter = 0
@@ -508,44 +346,30 @@ class Holder:
     def _spare_key(sess: _Session) -> tuple:
         return sess.spec["lower"], sess.spec["binds"], sess.spec["scratch_mb"]
 
-    def _fork_init(self, sess: _Session, network: bool) -> socket.socket:
+    def _start_init(self, sess: _Session, network: bool) -> socket.socket:
         """A new init for `sess`; returns the session's end of its control socket."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         cgroup = self.cgroups.new() if self.cgroups else None
         # With none in the pool (a new holder), the init makes its own rather than wait for a batch.
         netns = self.free_netns.pop() if not network and self.free_netns else None
         spec = RootSpec(network=network, cgroup=cgroup, netns=netns, **sess.spec)
-        unshare(CLONE_NEWPID)  # for the next child only: undone right after the fork
         try:
-            pid = os.fork()
-        except BaseException:
-            setns(self.pidns, CLONE_NEWPID)
-            raise
-        if pid == 0:
+            unshare(CLONE_NEWPID)  # for the next child only: undone right after
             try:
-                self._close_all_but(parent)
-                _init_main(spec, child)
-            except BaseException as e:  # nobody to report to but the log
-                print(f"image-builder init: {type(e).__name__}: {e}", file=sys.stderr)
+                pid = spawn_init(self.init_program, spec, "session", child.fileno())
             finally:
-                os._exit(0)
-        setns(self.pidns, CLONE_NEWPID)
-        child.close()
+                setns(self.pidns, CLONE_NEWPID)
+        except OSError:
+            parent.close()
+            if cgroup:
+                self.cgroups.remove(cgroup)
+            if netns is not None:
+                self.free_netns.append(netns)
+            raise
+        finally:
+            child.close()
         self.inits[pid] = _Init(cgroup, netns)
         return parent
-
-    def _close_all_but(self, session_end: socket.socket) -> None:
-        """In a new init: close the holder's descriptors (and the session's end of its own
-        control socket), so that no EOF anyone waits for is held up by this process."""
-        gc.disable()  # no finaliser may close a descriptor number that gets reused
-        signal.set_wakeup_fd(-1)
-        for s in (self.listener, session_end, *self.conns.values(), *(ctl for _, ctl in self.spares.values())):
-            s.close()
-        for fd in (self.wake_r, self.wake_w, self.pidns, *self.free_netns):
-            os.close(fd)
-        for init in self.inits.values():
-            if init.netns is not None:
-                os.close(init.netns)
 
     def _reap(self) -> None:
         while True:
@@ -585,7 +409,7 @@ class Holder:
                     ctl.close()
                     ctl = None
                 try:
-                    ctl = ctl or self._fork_init(sess, network)
+                    ctl = ctl or self._start_init(sess, network)
                 except (OSError, RunnerError) as e:  # answered in order, like the others
                     send_fds(conn, {"network": network, "error": str(e)})
                     return
@@ -610,9 +434,9 @@ class Holder:
             self._release(sess.stack, sess.linger)
             if sess.linger and self._spare_key(sess) not in self.spares:
                 try:
-                    self.spares[self._spare_key(sess)] = (time.monotonic(), self._fork_init(sess, False))
+                    self.spares[self._spare_key(sess)] = (time.monotonic(), self._start_init(sess, False))
                 except (OSError, RunnerError):
-                    pass  # the next session forks its own
+                    pass  # the next session starts its own
         self.poller.unregister(conn)
         del self.conns[conn.fileno()]
         conn.close()
@@ -663,6 +487,9 @@ def holder_main(argv: list[str]) -> None:
     report = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(os.open(os.devnull, os.O_RDWR), 1)
     try:
+        program = init_program()
+        if program is None:
+            raise RunnerError(INIT_MISSING)
         found = locate_cgroups()
         if kernel:
             unshare(CLONE_NEWNS)
@@ -681,7 +508,7 @@ def holder_main(argv: list[str]) -> None:
         for d in ("l", "o", "s", "e", "dev"):
             os.mkdir(d)
         dev_template("dev")
-        holder = Holder(kernel, base, None)
+        holder = Holder(kernel, base, None, program)
         try:
             holder.listener.bind(name)
         except OSError as e:
@@ -702,7 +529,6 @@ def holder_main(argv: list[str]) -> None:
         return
     report.write("ready\n")
     report.close()
-    gc.freeze()  # what the holder has now is shared with every init: keep its pages uncopied
     holder.serve()
 
 
@@ -714,8 +540,12 @@ def run_joined(holder_pid: int, kernel: bool, spec: RootSpec, job: dict) -> int:
     stdin/stdout/stderr: a shell keeps the caller's terminal as its controlling terminal
     (same session), so job control and Ctrl-C work as usual. Returns the exit status
     (128 + N for signal N)."""
+    program = init_program()
+    if program is None:
+        raise RunnerError(INIT_MISSING)
     names = ("mnt",) if kernel else ("user", "mnt")  # the user namespace first: it grants the rest
     ns = [os.open(f"/proc/{holder_pid}/ns/{n}", os.O_RDONLY | os.O_CLOEXEC) for n in names]
+    job_bytes = encode_job(job)
     pid = os.fork()
     if pid == 0:
         code = 125
@@ -724,19 +554,11 @@ def run_joined(holder_pid: int, kernel: bool, spec: RootSpec, job: dict) -> int:
             for fd in ns:
                 setns(fd)
             unshare(CLONE_NEWPID)
-            inner = os.fork()
-            if inner == 0:
-                try:
-                    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-                    cgroup, upper = enter_root(spec)
-                    os.close(upper)
-                    out = run_job(job, (0, 1, 2), client=None, cgroup=cgroup, session=False)
-                    code = out["exit_code"] if out["exit_code"] is not None else 128 + out["signal"]
-                except BaseException as e:
-                    print(f"image-builder: {e}", file=sys.stderr)
-                finally:
-                    os._exit(code)
-            code = os.waitstatus_to_exitcode(os.waitpid(inner, 0)[1])
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            payload = [] if len(job_bytes) <= INLINE_JOB else [memfd_with(job_bytes)]
+            send_fds(ours, job_message(job_bytes), payload)
+            init = spawn_init(program, spec, "joined", theirs.fileno())
+            code = os.waitstatus_to_exitcode(os.waitpid(init, 0)[1])
             code = code if code >= 0 else 128 - code
         except BaseException as e:
             print(f"image-builder: cannot enter the instance: {e}", file=sys.stderr)

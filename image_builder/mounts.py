@@ -1,11 +1,9 @@
-"""The kernel side of the runtime: namespaces and mounts through libc, layer mounts
-(a loop device as root, squashfuse rootless), and a run's root
-(tmpfs upper and overlay over the layers, /proc, /dev, pivot_root). The holder
-(image_builder.holder) and its inits are built from these.
+"""The holder's side of the runtime: namespaces and mounts through libc, layer mounts
+(a loop device as root, squashfuse rootless), the /dev every run binds, and what an
+init needs to build a run's root (RootSpec; the init itself is image_builder/native/init.c).
 
 This module stays lean (no dataclasses, pathlib, json, hashlib): the holder boots on
-a cold start and is forked per run; those imports cost 30+ ms and 3 MB more to copy
-on every fork here.
+a cold start; those imports cost 30+ ms.
 """
 
 from __future__ import annotations
@@ -20,9 +18,9 @@ import sys
 
 from .errors import ImageBuilderError
 
-__all__ = ["RootSpec", "RunnerError", "bind_readonly", "dev_template", "enter_root", "fuse_mount", "hold_tree",
-           "loop_mount", "loopback_up", "map_root", "mount", "prctl", "read_file", "setns", "squashfuse", "umount",
-           "unshare", "write_file"]
+__all__ = ["INIT_MISSING", "RootSpec", "RunnerError", "bind_readonly", "dev_template", "fuse_mount", "hold_tree",
+           "init_program", "loop_mount", "loopback_up", "map_root", "mount", "prctl", "read_file", "setns",
+           "squashfuse", "umount", "unshare", "write_file"]
 
 
 class RunnerError(ImageBuilderError):
@@ -43,18 +41,16 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
 MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC = 0x20, 0x400, 0x800, 0x1000, 0x4000
 MS_SLAVE, MS_RELATIME = 1 << 19, 1 << 21
 MNT_DETACH = 2
-PR_SET_PDEATHSIG, PR_SET_DUMPABLE = 1, 4
+PR_SET_PDEATHSIG = 1
 # A read-only remount of a bind mount must repeat these; in a user namespace they are locked.
 _KEEP_FLAGS = ((os.ST_NOSUID, MS_NOSUID), (os.ST_NODEV, MS_NODEV), (os.ST_NOEXEC, MS_NOEXEC),
                (os.ST_NOATIME, MS_NOATIME), (os.ST_NODIRATIME, MS_NODIRATIME), (os.ST_RELATIME, MS_RELATIME))
-_SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p)
 _libc.umount2.argtypes = (ctypes.c_char_p, ctypes.c_int)
 _libc.unshare.argtypes = (ctypes.c_int,)
 _libc.setns.argtypes = (ctypes.c_int, ctypes.c_int)
-_libc.sethostname.argtypes = (ctypes.c_char_p, ctypes.c_size_t)
 _libc.prctl.argtypes = (ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong)
 
 
@@ -82,13 +78,6 @@ def unshare(flags: int) -> None:
 
 def setns(fd: int, nstype: int = 0) -> None:
     _ok(_libc.setns(fd, nstype), "setns")
-
-
-def pivot_root(new_root: str, put_old: str) -> None:
-    nr = _SYS_PIVOT_ROOT.get(os.uname().machine)
-    if nr is None:
-        raise OSError(errno.ENOSYS, f"pivot_root: no syscall number known for {os.uname().machine}")
-    _ok(_libc.syscall(nr, _b(new_root), _b(put_old)), "pivot_root")
 
 
 def prctl(option: int, value: int) -> None:
@@ -186,24 +175,36 @@ def loop_mount(image: str, offset: int, size: int, target: str) -> None:
 
 
 SQUASHFUSE_ENV = "IMAGE_BUILDER_SQUASHFUSE"
+INIT_ENV = "IMAGE_BUILDER_INIT"
+INIT_MISSING = ("image-builder-init not found (built by `make` from image_builder/native/init.c into the venv; "
+                f"or set ${INIT_ENV})")
+
+
+def _native(name: str) -> str | None:
+    """A program of image_builder/native: built by `make` beside this interpreter, or on PATH."""
+    beside = os.path.join(os.path.dirname(sys.executable), name)
+    if os.access(beside, os.X_OK):
+        return beside
+    for directory in os.environ.get("PATH", "").split(os.pathsep):
+        if directory and os.access(os.path.join(directory, name), os.X_OK):
+            return os.path.join(directory, name)
+    return None
 
 
 def squashfuse() -> str:
     """The program that mounts images rootless: $IMAGE_BUILDER_SQUASHFUSE if set, else
-    squashfuse_cached (image_builder/native, built by `make` beside this interpreter, or
-    on PATH), else Debian's squashfuse_ll. Same command line; squashfuse_cached lets the
-    kernel cache opens, directories and symlinks, which short runs spend most FUSE
-    round trips on."""
-    chosen = os.environ.get(SQUASHFUSE_ENV)
+    squashfuse_cached, else Debian's squashfuse_ll. Same command line; squashfuse_cached
+    lets the kernel cache opens, directories and symlinks, which short runs spend most
+    FUSE round trips on."""
+    return os.environ.get(SQUASHFUSE_ENV) or _native("squashfuse_cached") or "squashfuse_ll"
+
+
+def init_program() -> str | None:
+    """image-builder-init, every run's pid 1: $IMAGE_BUILDER_INIT if set, else the built one."""
+    chosen = os.environ.get(INIT_ENV)
     if chosen:
-        return chosen
-    beside = os.path.join(os.path.dirname(sys.executable), "squashfuse_cached")
-    if os.access(beside, os.X_OK):
-        return beside
-    for directory in os.environ.get("PATH", "").split(os.pathsep):
-        if directory and os.access(os.path.join(directory, "squashfuse_cached"), os.X_OK):
-            return os.path.join(directory, "squashfuse_cached")
-    return "squashfuse_ll"
+        return chosen if os.access(chosen, os.X_OK) else None
+    return _native("image-builder-init")
 
 
 def hold_tree(tree: str | os.PathLike) -> int:
@@ -234,8 +235,6 @@ def fuse_mount(image: str, offset: int, target: str) -> None:
 
 # --- a run's root (init side) --------------------------------------------------------------------
 
-PROC_READONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs")  # writable by uid 0 without capabilities
-PROC_MASKED = ("kcore", "keys", "timer_list", "sched_debug")  # host information
 DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")
 
 
@@ -261,104 +260,6 @@ class RootSpec:
         self.cgroup = cgroup  # this run's cgroup directory (v2, or v1 pids), if any
         self.netns = netns  # a network namespace (fd) to join when not network; None: make one
         self.console = console  # the caller's terminal, shown as /dev/console (a shell's ttyname)
-
-
-def _inside(rel: str) -> str:
-    """A path in the new root, relative to it, that no symlink of the image redirects:
-    before pivot_root a symlink would resolve against the host's root."""
-    parts = [p for p in rel.split("/") if p not in ("", ".")]
-    if not parts or ".." in parts:
-        raise RunnerError(f"bad path inside the instance: {rel!r}; use an absolute path without '..'")
-    for i in range(1, len(parts) + 1):
-        p = "/".join(parts[:i])
-        if os.path.islink(p):
-            raise RunnerError(f"/{p} is a symlink in the instance; mount on the path it points to instead")
-    return "/".join(parts)
-
-
-def _mountpoint(rel: str, is_dir: bool) -> str:
-    path = _inside(rel)
-    if not os.path.lexists(path):
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        if is_dir:
-            os.mkdir(path)
-        else:
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
-    return path
-
-
-def enter_root(spec: RootSpec) -> tuple[int | None, int]:
-    """In pid 1 of a new pid namespace: build the run's root and move into it, ending as
-    root of a nested user namespace that owns nothing. Joins the run's cgroup, if any.
-    Returns descriptors of that cgroup (the host's /sys is gone afterwards) and of the
-    writable layer's upper directory (out of reach by path afterwards)."""
-    isolated = not spec.network and spec.netns is None
-    unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS | (CLONE_NEWNET if isolated else 0))
-    if spec.netns is not None:
-        setns(spec.netns, CLONE_NEWNET)
-        os.close(spec.netns)
-    elif isolated:
-        loopback_up()
-    os.chdir(spec.base)
-    size = f",size={spec.scratch_mb}m" if spec.scratch_mb else ""
-    mount("scratch", "s", "tmpfs", MS_NOSUID | MS_NODEV, "mode=755" + size)
-    if spec.upper:
-        upper, work = f"{spec.upper}/upper", f"{spec.upper}/work"
-        os.makedirs(upper, exist_ok=True)
-        os.makedirs(work, exist_ok=True)
-    else:
-        upper, work = "s/u", "s/w"
-        os.mkdir(upper)
-        os.mkdir(work)
-    os.mkdir("s/r")
-    opts = f"lowerdir={spec.lower},upperdir={upper},workdir={work}" + (",userxattr" if spec.userxattr else "")
-    # nodev: a device node in an image must not reach the host's disks; nosuid: nor gain ids.
-    mount("overlay", "s/r", "overlay", MS_NOSUID | MS_NODEV, opts)
-    upper_fd = os.open(upper, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    os.chdir("s/r")
-    for d, mode in (("proc", 0o555), ("dev", 0o755), ("tmp", 0o1777)):
-        if not os.path.lexists(d):
-            os.mkdir(d)
-            os.chmod(d, mode)
-        _inside(d)
-    if not spec.upper:  # emptied after each run (holder._empty_tmp): a run that wrote only there leaves no trace
-        mount("tmp", "tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777" + size)
-    mount("proc", "proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    if not spec.userxattr:  # root inside is host root: its files there are not for the run
-        for p in PROC_READONLY:
-            if os.path.exists(f"proc/{p}"):
-                bind_readonly(f"proc/{p}", f"proc/{p}")
-        for p in PROC_MASKED:
-            if os.path.exists(f"proc/{p}"):
-                mount(f"{spec.base}/dev/null", f"proc/{p}", None, MS_BIND)
-    mount(f"{spec.base}/dev", "dev", None, MS_BIND | MS_REC)
-    mount("devpts", "dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620")
-    mount("shm", "dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777" + size)
-    if spec.console:
-        mount(spec.console, "dev/console", None, MS_BIND)
-    for src, dest, readonly in spec.binds:
-        target = _mountpoint(dest, os.path.isdir(src))
-        if readonly:
-            bind_readonly(src, target)
-        else:
-            mount(src, target, None, MS_BIND | MS_REC)
-    _ok(_libc.sethostname(b"sandbox", 7), "sethostname")
-    cgroup = None
-    if spec.cgroup:
-        cgroup = os.open(spec.cgroup, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        write_file("cgroup.procs", "0", cgroup)
-    # pivot_root(".", ".") stacks the old root on the new one; detaching it leaves
-    # nothing of the host in this mount namespace to escape to.
-    pivot_root(".", ".")
-    umount(".")
-    os.chdir("/")
-    unshare(CLONE_NEWUSER)
-    map_root(0, 0)
-    # Inherited by the command: in any out-of-memory kill, on the host or in a cgroup, a
-    # run goes first (and of a run, its biggest process: the command, not this init).
-    write_file("/proc/self/oom_score_adj", "1000")
-    return cgroup, upper_fd
-
 
 
 def dev_template(path: str) -> None:

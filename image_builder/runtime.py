@@ -24,7 +24,8 @@ Backends (detect_backend() takes the first that works here; doctor() says why):
 
 kernel and userns share one design, in image_builder.holder (on the primitives of
 image_builder.mounts): a per-user holder process keeps each layer mounted once, and
-runs are handed to inits whose root is already built; their sessions are here. For
+runs are handed to inits (image_builder/native/init.c) whose root is already built;
+their sessions are here. For
 every run: new mount, pid, ipc, uts and (unless network=True) network namespaces;
 the layers read-only under a tmpfs upper; /tmp and /dev/shm tmpfs of the run's own,
 emptied after it (a run that wrote only there leaves its root to the next); host paths only
@@ -32,16 +33,13 @@ where bound; the image's environment, then the request's, never the host's; stdi
 a regular file; the timeout kills the whole pid namespace; memory and process limits
 from a cgroup where one is delegated (v2) or owned (root), else RLIMIT_AS and
 RLIMIT_NPROC. With RLIMIT_AS only, out_of_memory is judged from what the run printed
-(MemoryError, bad_alloc, ...), and peak_memory_kb is the command's ru_maxrss, which
-starts at its init's own size (about 11 MB: posix_spawn's child shares the init's
-memory until exec).
+(MemoryError, bad_alloc, ...), and peak_memory_kb is the command's ru_maxrss.
 """
 
 
 from __future__ import annotations
 
 import enum
-import marshal
 import os
 import select
 import socket
@@ -52,9 +50,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .execution import DEFAULT_PATH, Bind, RunRequest, RunResult
-from .holder import DEFAULT_MAX_PROCESSES, IDLE_INIT, INLINE_JOB, recv_fds, run_joined, send_fds
+from .holder import (DEFAULT_MAX_PROCESSES, IDLE_INIT, INLINE_JOB, encode_job, job_message, memfd_with, recv_fds,
+                     run_joined, send_fds)
 from .cgroups import locate_cgroups, start_join_grace_period
-from .mounts import RootSpec, RunnerError, squashfuse
+from .mounts import INIT_MISSING, RootSpec, RunnerError, init_program, squashfuse
 
 __all__ = [
     "Backend",
@@ -140,7 +139,7 @@ def _userns_blocker() -> str | None:
     program = squashfuse()
     if not (os.access(program, os.X_OK) if os.sep in program else _which(program)):
         return f"{program} is not installed (apt-get install squashfuse)"
-    return None
+    return None if init_program() else INIT_MISSING
 
 
 def _kernel_blocker() -> str | None:
@@ -148,7 +147,7 @@ def _kernel_blocker() -> str | None:
         return "not root"
     if not os.path.exists("/dev/loop-control"):
         return "no /dev/loop-control (loop devices)"
-    return None
+    return None if init_program() else INIT_MISSING
 
 
 def _which(tool: str) -> str | None:
@@ -188,6 +187,8 @@ def doctor() -> list[DoctorLine]:
     fast = os.path.basename(program) == "squashfuse_cached"
     lines.append(DoctorLine("squashfuse", True, program + (": the kernel caches opens, directories and symlinks" if fast
                             else ": every open() is a FUSE round trip; `make` builds the faster squashfuse_cached")))
+    init = init_program()
+    lines.append(DoctorLine("init", bool(init), init or INIT_MISSING))
     apptainer = _which("apptainer")
     lines.append(DoctorLine("backend apptainer", bool(apptainer), apptainer or "not installed"))
     cg = locate_cgroups()
@@ -224,14 +225,7 @@ def build_job(layers: InstanceLayers, request: RunRequest, max_processes: int) -
 
 def stdin_fd(data: bytes | None) -> int:
     """A regular file (memfd) holding the input, as judges give it: os.fstat(0).st_size works."""
-    if data is None:
-        return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-    fd = os.memfd_create("stdin", os.MFD_CLOEXEC)
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-    os.lseek(fd, 0, os.SEEK_SET)
-    return fd
+    return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC) if data is None else memfd_with(data)
 
 
 @dataclass
@@ -529,7 +523,7 @@ class _HolderSession(Session):
     def _send(self, job: bytes, fds: list[int], network: bool, key: tuple[bool, int | None]) -> socket.socket:
         """Hand the job to an init whose last run left it untouched, else to a ready one (one
         killed meanwhile is passed over)."""
-        msg = {"payload": len(job)} if len(job) > INLINE_JOB else job
+        msg = job_message(job)
         for _attempt in range(8):
             ctl = self._take_reused(key) or self._take(network)
             try:
@@ -541,7 +535,7 @@ class _HolderSession(Session):
         raise RunnerError("no init took the run: they all died; see holder.log in the state dir")
 
     def run(self, request: RunRequest) -> RunResult:
-        job = marshal.dumps(build_job(self.layers, request, self.max_processes))
+        job = encode_job(build_job(self.layers, request, self.max_processes))
         key = (request.network, request.memory_mb)
         ctl = out_r = err_r = got = None
         try:
@@ -551,7 +545,7 @@ class _HolderSession(Session):
             fds += [out_w, err_w]
             try:
                 if len(job) > INLINE_JOB:
-                    fds.append(stdin_fd(job))
+                    fds.append(memfd_with(job))
                 t0 = time.monotonic()
                 ctl = self._send(job, fds, request.network, key)
             finally:

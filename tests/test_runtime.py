@@ -28,6 +28,7 @@ import pytest
 
 from image_builder.bases import debian_rootfs
 from image_builder.execution import RunRequest, RunResult
+from image_builder.mounts import INIT_ENV
 from image_builder.cgroups import Cgroups
 from image_builder.apptainer import apptainer_command
 from image_builder.runtime import Backend, InstanceLayers, detect_backend, doctor
@@ -276,6 +277,15 @@ def test_exit_codes_output_environment_and_files(case):
     assert r[1].stdout == b"bar x /root\n/testbed\nhello from the instance\ninjected\n"
     assert r[2].stdout == b"/etc\n"
     assert r[3].exit_code == 127 and b"not found" in r[3].stderr
+    if case.backend != "extract":  # the command's own peak: the init (a static C program) adds nothing
+        assert 0 < r[0].peak_memory_kb < 8 << 10, r[0].peak_memory_kb
+
+
+def test_a_nul_in_the_command_is_a_clear_error(case):
+    if case.backend == "extract":
+        return  # proot gets argv from Python's subprocess, which says the same in its words
+    got = case.run_raw(case.req(["echo", "a\0b"]))
+    assert "a NUL character cannot be passed to a command" in got["error"], got
 
 
 def test_stdin_is_a_regular_file(case):
@@ -684,6 +694,21 @@ def test_doctor_explains_the_choice():
     assert lines["backend userns"].ok and lines["backend kernel"].ok
     assert "limits" in lines
     assert lines["squashfuse"].detail.startswith(str(Path(sys.executable).parent / "squashfuse_cached") + ": ")
+    assert lines["init"].ok and lines["init"].detail == str(Path(sys.executable).parent / "image-builder-init")
+
+
+def test_without_its_init_no_holder_backend_is_offered(monkeypatch, tmp_path):
+    monkeypatch.setenv(INIT_ENV, str(tmp_path / "none"))
+    lines = {line.check: line for line in doctor()}
+    for check in ("init", "backend kernel", "backend userns"):
+        assert not lines[check].ok and "image-builder-init not found" in lines[check].detail, lines[check]
+    assert detect_backend() is Backend.EXTRACT
+
+
+def test_the_init_refuses_a_bad_command_line_in_one_line():
+    r = subprocess.run([str(Path(sys.executable).parent / "image-builder-init"), "session"], capture_output=True,
+                       text=True)
+    assert r.returncode == 2 and r.stderr.startswith("usage: image-builder-init session|joined BASE LOWER"), r
 
 
 def test_a_starting_holder_removes_only_dead_holders_cgroups(tmp_path):
