@@ -117,14 +117,28 @@ class Cgroups:
             os.mkdir(f"{self.root}/holder")
             write_file(f"{self.root}/holder/cgroup.procs", "0")
             write_file(f"{self.root}/cgroup.subtree_control", "+memory +pids")
+        self.kind = kind
         self.counter = 0
         self.trash: list[str] = []
+        self.free: list[str] = []  # v1: empty cgroups of ended runs, for the next ones
 
     def new(self) -> str:
+        if self.free:
+            return self.free.pop()
         self.counter += 1
         path = f"{self.root}/r{self.counter}"
         os.makedirs(path)  # v1: an older image-builder's holder starting meanwhile may have removed our empty tree
         return path
+
+    def release(self, path: str) -> None:
+        """A run's cgroup once its processes are gone. A v1 pids cgroup is kept for the
+        next run (making and removing one costs more than a run's other mounts; its init
+        sets its limit again); a v2 one is removed, its memory peak and OOM count being
+        its whole life's."""
+        if self.kind == "v1" and os.path.isdir(path):
+            self.free.append(path)
+        else:
+            self.remove(path)
 
     def close(self) -> None:
         self.remove()

@@ -362,7 +362,7 @@ class Holder:
         except OSError:
             parent.close()
             if cgroup:
-                self.cgroups.remove(cgroup)
+                self.cgroups.release(cgroup)
             if netns is not None:
                 self.free_netns.append(netns)
             raise
@@ -383,7 +383,7 @@ class Holder:
             if init is None:
                 continue  # a FUSE daemon that ended with its mount
             if self.cgroups and init.cgroup:
-                self.cgroups.remove(init.cgroup)
+                self.cgroups.release(init.cgroup)
             if init.netns is not None:  # every process that used it is gone: reuse it
                 self.free_netns.append(init.netns)
 

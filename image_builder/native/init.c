@@ -410,16 +410,15 @@ static void mark_dir(struct buf *b, int fd, int times) {
 static const char *const SCRATCH_DIRS[] = {"/tmp", "/dev/shm"}; /* tmpfs of a run's own (enter_root) */
 
 /* What a run could leave for the next run in the same root: entries, owner, mode,
-   xattrs and times of the writable layer's top, the same but times of /tmp and
+   xattrs and times of the writable layer's top (mark_dir(upper), checked first: most
+   runs that leave a trace leave it there), then (here) the same but times of /tmp and
    /dev/shm (tmpfs of their own, emptied after each run), SysV IPC objects, and keys
    (counted per user of this user namespace). What else it could change, it cannot: it
    owns no namespace. */
-static void traces(int upper, struct buf *b) {
+static void traces(struct buf *b) {
     static const char *const proc[] = {"/proc/sysvipc/shm", "/proc/sysvipc/msg", "/proc/sysvipc/sem",
                                        "/proc/key-users"};
     char chunk[4096];
-    b->len = 0;
-    mark_dir(b, upper, 1);
     for (size_t i = 0; i < 2; i++) {
         int fd = open(SCRATCH_DIRS[i], O_RDONLY | O_DIRECTORY | O_CLOEXEC);
         if (fd < 0) {
@@ -869,9 +868,13 @@ int main(int argc, char **argv) {
        enter_root: its own /proc files become root's, uid_map included.) */
     prctl(PR_SET_DUMPABLE, 0);
     struct buf pristine = {0}, now = {0};
+    size_t pristine_top = 0;
     int emptiable = scratch_emptiable(&s);
-    if (!setup)
-        traces(upper, &pristine);
+    if (!setup) {
+        mark_dir(&pristine, upper, 1);
+        pristine_top = pristine.len;
+        traces(&pristine);
+    }
     for (;;) {
         char *data = NULL;
         size_t len = 0;
@@ -903,9 +906,13 @@ int main(int argc, char **argv) {
            could see: this init offers itself for another job. Not under cgroup v2 memory
            accounting, whose peak and OOM counters are the cgroup's whole life. */
         int reusable = 0;
-        if (!r.timed_out && r.oom < 0 && emptiable && !empty_scratch()) {
-            traces(upper, &now);
-            reusable = now.len == pristine.len && !memcmp(now.data, pristine.data, now.len);
+        now.len = 0;
+        if (!r.timed_out && r.oom < 0 && emptiable) {
+            mark_dir(&now, upper, 1);
+            if (now.len == pristine_top && !memcmp(now.data, pristine.data, now.len) && !empty_scratch()) {
+                traces(&now);
+                reusable = now.len == pristine.len && !memcmp(now.data, pristine.data, now.len);
+            }
         }
         struct answer a = {.data = "{", .len = 1};
         m_int(&a, "exit_code", r.exit_code, r.exit_code < 0);
