@@ -124,10 +124,11 @@ def encode_job(job: dict) -> bytes:
     parts = [_JOB_HEADER.pack(b"IBJ1", len(job["argv"]), len(job["env"]), len(job["files"]),
                               -1 if job["timeout"] is None else int(job["timeout"] * 1e6), job["memory_mb"] or 0,
                               job["max_processes"])]
-    for text in (job["workdir"], *job["argv"], *(f"{k}={v}" for k, v in job["env"].items())):
+    for text in (job["workdir"], *job["argv"], *(f"{k}={v}" for k, v in job["env"].items()), *job["files"]):
         if "\0" in text:
             raise RunnerError(f"{text[:40]!r}: a NUL character cannot be passed to a command")
-        parts.append(os.fsencode(text) + b"\0")
+    parts += [os.fsencode(text) + b"\0" for text in (job["workdir"], *job["argv"])]
+    parts += [os.fsencode(f"{k}={v}") + b"\0" for k, v in job["env"].items()]
     for path, data in job["files"].items():
         parts += [os.fsencode(path) + b"\0", struct.pack("<Q", len(data)), bytes(data)]
     return b"".join(parts)
