@@ -515,6 +515,61 @@ def test_a_host_directory_bound_under_tmp_is_never_emptied(case):
 
 
 @pytest.mark.parametrize("case", ["kernel", "userns"], indirect=True)
+def test_the_command_inherits_no_descriptor_but_its_stdio(case):
+    """Not the init's control socket above all: with it, a command could send its own answer."""
+    code = "import os\nfor fd in range(3, 1024):\n try: os.fstat(fd); print(fd)\n except OSError: pass"
+    r = case.one(py(code))
+    assert r.exit_code == 0 and r.stdout == b"", r
+
+
+@pytest.mark.parametrize("case", ["kernel", "userns"], indirect=True)
+def test_a_file_given_onto_a_fifo_is_refused_instead_of_hanging(case):
+    host = case.state_dir / "bound"
+    host.mkdir()
+    os.mkfifo(host / "fifo")
+    if case.user is not None:
+        for path in (host, host / "fifo"):
+            os.chown(path, case.user, case.user)
+    got = case.run_raw(case.req(["true"], files={"/data/fifo": b"x"}, timeout=5),
+                       binds=[[str(host), "/data", False]])
+    assert "cannot write /data/fifo: not a regular file in the instance" in got.get("error", ""), got
+
+
+@pytest.mark.parametrize("case", ["kernel", "userns"], indirect=True)
+def test_nothing_carries_over_in_the_mount_points_made_for_binds(case):
+    host = case.state_dir / "bound"
+    host.mkdir()
+    if case.user is not None:
+        os.chown(host, case.user, case.user)
+    leave = case.req(["sh", "-c", "echo left > /made/for/x; ls /made/for"])  # /made/for: in the writable layer
+    look = case.req(["sh", "-c", "cat /made/for/x"])
+    out = case.run(leave, look, binds=[[str(host), "/made/for/bind", True]])
+    assert out[0].stdout == b"bind\nx\n", out[0]
+    assert out[1].exit_code != 0 and b"No such file" in out[1].stderr, out[1]
+
+
+@pytest.mark.parametrize("case", ["kernel", "userns"], indirect=True)
+def test_a_read_only_bind_is_read_only_in_the_mounts_under_it_too(case):
+    host = case.state_dir / "bound"
+    (host / "sub").mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=777", "sub", str(host / "sub")], check=True)
+    try:
+        r = case.one(["sh", "-c", "touch /data/x; touch /data/sub/x; ls /data/sub"],
+                     session={"binds": [[str(host), "/data", True]]})
+    finally:
+        subprocess.run(["umount", "-l", str(host / "sub")], check=True)
+    assert r.stderr.count(b"Read-only file system") == 2 and r.stdout == b"", r
+
+
+@pytest.mark.parametrize("case", ["kernel", "userns"], indirect=True)
+def test_orphans_are_reaped_at_once_not_counted_against_the_process_limit(case):
+    # Each (true &) leaves true to pid 1 of the run; unreaped, 60 of them would exceed 40.
+    r = case.one(["sh", "-c", "i=0; while [ $i -lt 60 ]; do (true &); i=$((i+1)); done; echo done"],
+                 session={"max_processes": 40}, timeout=60)
+    assert (r.exit_code, r.stdout, r.stderr) == (0, b"done\n", b""), r
+
+
+@pytest.mark.parametrize("case", ["kernel", "userns"], indirect=True)
 def test_a_lingering_session_leaves_a_ready_init_for_the_next_process(case):
     """`image-builder run` is one session per process: with linger, the holder keeps an init
     set up for the next one, whose first run then need not wait for a fork and the mounts."""

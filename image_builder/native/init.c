@@ -43,6 +43,7 @@
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
+#include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
@@ -55,6 +56,19 @@
 #define CTL 3
 #define MAX_MESSAGE (1 << 16)
 #define MAX_FDS 8
+
+/* The mount API of Linux 5.2 and 5.12 (linux/mount.h, which musl does not ship). */
+#define OPEN_TREE_CLONE 1
+#define MOVE_MOUNT_F_EMPTY_PATH 0x04
+#define MOVE_MOUNT_T_EMPTY_PATH 0x40
+#define MOUNT_ATTR_RDONLY 0x1
+#ifndef AT_RECURSIVE
+#define AT_RECURSIVE 0x8000
+#endif
+#define CLOSE_RANGE_CLOEXEC 4
+struct mount_attr {
+    uint64_t attr_set, attr_clr, propagation, userns_fd;
+};
 
 extern char **environ;
 
@@ -80,6 +94,7 @@ struct result {
 
 /* The first error of a setup or a job: what the session is told. */
 static char error[1024];
+static int children = -1; /* a signalfd for SIGCHLD */
 
 static int fail(const char *fmt, ...) {
     if (!error[0]) {
@@ -213,23 +228,59 @@ static int inside(const char *path, char *out, size_t size) {
     }
 }
 
-static int mountpoint(const char *dest, int is_dir, char *out, size_t size) {
-    struct stat st;
-    if (inside(dest, out, size))
-        return -1;
-    if (!lstat(out, &st))
-        return 0;
-    char *slash = strrchr(out, '/');
-    if (slash) {
-        *slash = 0;
-        int r = mkdirs(out);
+/* The mount point for a bind at `dest` in the new root (the current directory), made if
+   missing (a directory, or an empty file to bind a file on): an O_PATH descriptor. Each
+   component is opened without following a symlink, so neither the image's symlinks nor
+   one swapped in meanwhile (under an earlier read-write bind, by another run) can lead
+   outside; the mount then goes on the descriptor, not on a path looked up again. */
+static int open_mountpoint(const char *dest, int is_dir) {
+    char path[PATH_MAX];
+    if (normalize(dest, path, sizeof path))
+        return fail("bad path inside the instance: '%s'; use an absolute path without '..'", dest);
+    int dir = open(".", O_PATH | O_DIRECTORY | O_CLOEXEC);
+    for (char *name = path;;) {
+        char *slash = strchr(name, '/');
+        int last = !slash, as_dir = !last || is_dir, fd;
+        if (slash)
+            *slash = 0;
+        int flags = O_PATH | O_NOFOLLOW | O_CLOEXEC | (as_dir ? O_DIRECTORY : 0);
+        if ((fd = openat(dir, name, flags)) < 0 && errno == ENOENT) {
+            int made = as_dir ? mkdirat(dir, name, 0777) : openat(dir, name, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW |
+                                                                              O_CLOEXEC, 0644);
+            if (made > 0)
+                close(made);
+            fd = openat(dir, name, flags);
+        }
+        struct stat st;
+        int e = fd < 0 ? errno : 0;
+        int link = !(fd < 0 ? fstatat(dir, name, &st, AT_SYMLINK_NOFOLLOW) : fstat(fd, &st)) && S_ISLNK(st.st_mode);
+        close(dir);
+        if (fd >= 0 && link)
+            close(fd);
+        if (fd < 0 || link)
+            return link ? fail("/%s is a symlink in the instance; mount on the path it points to instead", path)
+                        : fail("cannot make the mount point /%s: %s", path, strerror(e));
+        if (last)
+            return fd;
         *slash = '/';
-        if (r)
-            return -1;
+        dir = fd;
+        name = slash + 1;
     }
-    if (is_dir ? mkdir(out, 0777) : close(open(out, O_WRONLY | O_CREAT | O_CLOEXEC, 0644)))
-        return fail("cannot make the mount point /%s: %s", out, strerror(errno));
-    return 0;
+}
+
+/* Mount a copy of `src` and of the mounts under it on the descriptor `target`
+   (open_tree, move_mount); read-only is set on every mount of the copy. */
+static int bind_at(const char *src, int target, int readonly) {
+    struct mount_attr rdonly = {.attr_set = MOUNT_ATTR_RDONLY};
+    int tree = (int)syscall(SYS_open_tree, AT_FDCWD, src, OPEN_TREE_CLONE | O_CLOEXEC | AT_RECURSIVE);
+    if (tree < 0)
+        return fail("bind %s: %s", src, strerror(errno));
+    int r = readonly ? (int)syscall(SYS_mount_setattr, tree, "", AT_EMPTY_PATH | AT_RECURSIVE, &rdonly, sizeof rdonly) : 0;
+    if (!r)
+        r = (int)syscall(SYS_move_mount, tree, "", target, "", MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH);
+    int e = errno;
+    close(tree);
+    return r ? fail("bind %s%s: %s", src, readonly ? " read-only" : "", strerror(e)) : 0;
 }
 
 /* --- the root --------------------------------------------------------------------------- */
@@ -319,12 +370,12 @@ static int enter_root(const struct spec *s, int *cgroup, int *upper_fd) {
     if (*s->console && do_mount(s->console, "dev/console", NULL, MS_BIND, NULL))
         return -1;
     for (int i = 0; i < s->nbinds; i++) {
-        const char *src = s->binds[3 * i], *dest = s->binds[3 * i + 1];
-        int is_dir = !stat(src, &st) && S_ISDIR(st.st_mode);
-        if (mountpoint(dest, is_dir, path, sizeof path))
-            return -1;
-        if (strcmp(s->binds[3 * i + 2], "1") ? do_mount(src, path, NULL, MS_BIND | MS_REC, NULL)
-                                            : bind_readonly(src, path))
+        const char *src = s->binds[3 * i];
+        int target = open_mountpoint(s->binds[3 * i + 1], !stat(src, &st) && S_ISDIR(st.st_mode));
+        int r = target < 0 ? -1 : bind_at(src, target, !strcmp(s->binds[3 * i + 2], "1"));
+        if (target >= 0)
+            close(target);
+        if (r)
             return -1;
     }
     if (sethostname("sandbox", 7))
@@ -407,10 +458,32 @@ static void mark_dir(struct buf *b, int fd, int times) {
         put(b, xattrs, n);
 }
 
+/* mark_dir() of the writable layer's top and, depth first, of every directory under it
+   (the mount points made for binds, not only the top, could take files). Stops, -1, at
+   the first mark that differs from `was` (NULL: never), and deeper than 64 levels. */
+static int mark_layer(struct buf *b, int fd, int depth, const struct buf *was) {
+    struct buf names = {0};
+    size_t from = b->len;
+    mark_dir(b, fd, 1);
+    int ok = depth < 64 && !(was && (b->len > was->len || memcmp(b->data + from, was->data + from, b->len - from))) &&
+             !list_dir(fd, &names);
+    for (size_t at = 0; ok && at < names.len; at += strlen(names.data + at) + 1) {
+        struct stat st;
+        if (fstatat(fd, names.data + at, &st, AT_SYMLINK_NOFOLLOW) || !S_ISDIR(st.st_mode))
+            continue;
+        int sub = openat(fd, names.data + at, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+        ok = sub >= 0 && !mark_layer(b, sub, depth + 1, was);
+        if (sub >= 0)
+            close(sub);
+    }
+    free(names.data);
+    return ok ? 0 : -1;
+}
+
 static const char *const SCRATCH_DIRS[] = {"/tmp", "/dev/shm"}; /* tmpfs of a run's own (enter_root) */
 
 /* What a run could leave for the next run in the same root: entries, owner, mode,
-   xattrs and times of the writable layer's top (mark_dir(upper), checked first: most
+   xattrs and times of the writable layer's directories (mark_layer, checked first: most
    runs that leave a trace leave it there), then (here) the same but times of /tmp and
    /dev/shm (tmpfs of their own, emptied after each run), SysV IPC objects, and keys
    (counted per user of this user namespace). What else it could change, it cannot: it
@@ -561,9 +634,17 @@ static int write_files(const struct job *j) {
             if (r)
                 return -1;
         }
-        int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+        /* Non-blocking: a fifo in the image must not hang the init (nor anything but a file take the data). */
+        struct stat st;
+        int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_NONBLOCK | O_CLOEXEC, 0644);
+        if (fd >= 0 && (fstat(fd, &st) || !S_ISREG(st.st_mode))) {
+            close(fd);
+            fd = -1;
+            errno = EEXIST;
+        }
         if (fd < 0)
-            return fail("cannot write %s: %s", path, strerror(errno));
+            return fail("cannot write %s: %s", path, errno == EEXIST || errno == ENXIO ? "not a regular file in the "
+                        "instance" : strerror(errno));
         for (uint64_t done = 0; done < size;) {
             ssize_t n = write(fd, at + done, size - done);
             if (n < 0) {
@@ -589,14 +670,12 @@ static const char *getenv_in(char **env, const char *name) {
 /* The program to run, looked up in the job's PATH (not ours); 0, or ENOENT. */
 static int which(const char *name, const char *path, char *out, size_t size) {
     struct stat st;
-    if (strchr(name, '/')) {
-        snprintf(out, size, "%s", name);
-        return 0;
-    }
+    if (strchr(name, '/'))
+        return snprintf(out, size, "%s", name) < (int)size ? 0 : ENAMETOOLONG;
     for (const char *d = path;; d++) {
         size_t len = strcspn(d, ":");
-        snprintf(out, size, "%.*s/%s", (int)(len ? len : 1), len ? d : ".", name);
-        if (!stat(out, &st) && S_ISREG(st.st_mode) && !access(out, X_OK))
+        if (snprintf(out, size, "%.*s/%s", (int)(len ? len : 1), len ? d : ".", name) < (int)size && !stat(out, &st) &&
+            S_ISREG(st.st_mode) && !access(out, X_OK))
             return 0;
         d += len;
         if (!*d)
@@ -664,15 +743,14 @@ static int run_job(const struct spec *s, const struct job *j, const int stdio[3]
         return fail("workdir %s: %s; pass a directory that exists in the instance", j->workdir, strerror(errno));
     struct rlimit none = {0, 0}, procs = {j->max_processes, j->max_processes},
                   mem = {j->memory_mb << 20, j->memory_mb << 20};
-    setrlimit(RLIMIT_CORE, &none);
     if (cgroup >= 0 && cgroup_limits(cgroup, j, &memory_in_cgroup))
         return -1;
     /* Limits on this init are inherited by the command; RLIMIT_NPROC counts per user
-       namespace, so per run (but never for host root: there the pids cgroup does it). */
-    if (cgroup < 0)
-        setrlimit(RLIMIT_NPROC, &procs);
-    if (j->memory_mb && !memory_in_cgroup)
-        setrlimit(RLIMIT_AS, &mem);
+       namespace, so per run (but never for host root: there the pids cgroup does it).
+       They cannot be raised again: the session gives a reused init only jobs like its first. */
+    if (setrlimit(RLIMIT_CORE, &none) || (cgroup < 0 && setrlimit(RLIMIT_NPROC, &procs)) ||
+        (j->memory_mb && !memory_in_cgroup && setrlimit(RLIMIT_AS, &mem)))
+        return fail("cannot set the run's limits: %s", strerror(errno));
     if (!(e = which(j->argv[0], getenv_in(j->env, "PATH"), exe, sizeof exe))) {
         posix_spawn_file_actions_t fa;
         posix_spawnattr_t at;
@@ -702,37 +780,40 @@ static int run_job(const struct spec *s, const struct job *j, const int stdio[3]
         r->exit_code = e == ENOENT ? 127 : 126;
         return 0;
     }
-    struct pollfd fds[2] = {{(int)syscall(SYS_pidfd_open, pid, 0), POLLIN, 0}, {CTL, POLLIN, 0}};
-    if (fds[0].fd < 0) {
-        kill(-1, SIGKILL);
-        return fail("pidfd_open: %s", strerror(errno));
-    }
+    struct pollfd fds[2] = {{children, POLLIN, 0}, {CTL, POLLIN, 0}};
     int64_t deadline = j->timeout_us < 0 ? -1 : now_us() + j->timeout_us;
-    /* The session sends nothing more while a job runs: readable means gone. */
-    for (;;) {
+    int status = 0, done = 0;
+    struct rusage ru = {0};
+    while (!done) {
         int64_t left = deadline < 0 ? -1 : deadline - now_us();
         int wait = deadline < 0 ? -1 : left <= 0 ? 0 : left / 1000 + 1 > INT_MAX ? INT_MAX : (int)(left / 1000 + 1);
         int n = poll(fds, s->joined ? 1 : 2, wait);
         if (n < 0 && errno == EINTR)
             continue;
-        if (n > 0 && fds[0].revents)
-            break;
-        if (n > 0) {
+        if (n > 0 && fds[1].revents) { /* the session sends nothing while a job runs: readable means gone */
             kill(-1, SIGKILL);
             return 1;
         }
-        if (deadline >= 0 && now_us() >= deadline) {
+        if (n > 0) { /* reap every child that ended: the command, or orphans it left to pid 1 */
+            struct signalfd_siginfo info;
+            while (read(children, &info, sizeof info) > 0)
+                ;
+            struct rusage one;
+            for (pid_t p; (p = wait4(-1, &status, WNOHANG, &one)) > 0;)
+                if (p == pid) {
+                    done = 1;
+                    ru = one;
+                    break;
+                }
+        } else if (deadline >= 0 && now_us() >= deadline) {
             /* From pid 1, kill(-1) reaches every process of this pid namespace. */
             kill(-1, SIGKILL);
             r->timed_out = 1;
-            break;
+            while (wait4(pid, &status, 0, &ru) < 0 && errno == EINTR)
+                ;
+            done = 1;
         }
     }
-    int status;
-    struct rusage ru;
-    while (wait4(pid, &status, 0, &ru) < 0 && errno == EINTR)
-        ;
-    close(fds[0].fd);
     end_all();
     if (WIFEXITED(status))
         r->exit_code = WEXITSTATUS(status);
@@ -817,6 +898,9 @@ static int receive(const struct spec *s, char **data, size_t *len, int *owned, i
         }
     if ((msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) || nfds < (s->joined ? 0 : 3) + (n >= 4 && !memcmp(message, "IBJP", 4)))
         return fail("bad job message: truncated, or descriptors missing");
+    int used = (s->joined ? 0 : 3) + (n == 12 && !memcmp(message, "IBJP", 4));
+    for (int i = used; i < nfds; i++) /* more than a job comes with: not kept in a reused init */
+        close(fds[i]);
     for (int i = 0; i < 3; i++)
         stdio[i] = s->joined ? i : fds[i];
     if (n == 12 && !memcmp(message, "IBJP", 4)) {
@@ -853,9 +937,22 @@ int main(int argc, char **argv) {
                         "CGROUP NETNS_FD CONSOLE IDLE_SECONDS [SRC DEST RO]...\n(started by image_builder.holder)\n");
         return 2;
     }
+    /* The control socket (3) and the network namespace (4) came without close-on-exec; the
+       command must get neither (with 3 it could forge the answer, or take the next job). */
+    if (syscall(SYS_close_range, CTL, ~0U, CLOSE_RANGE_CLOEXEC) && (fcntl(CTL, F_SETFD, FD_CLOEXEC) ||
+                                                                   (s.netns >= 0 && fcntl(s.netns, F_SETFD, FD_CLOEXEC))))
+        return 2;
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     signal(SIGPIPE, SIG_IGN);
+    /* Children are reaped as they end (run_job, through a signalfd): orphans of the command
+       must not stay zombies, counted against its process limit. */
+    sigset_t chld;
+    sigemptyset(&chld);
+    sigaddset(&chld, SIGCHLD);
     signal(SIGCHLD, SIG_DFL);
+    sigprocmask(SIG_BLOCK, &chld, NULL);
+    if ((children = signalfd(-1, &chld, SFD_CLOEXEC | SFD_NONBLOCK)) < 0)
+        return 2;
     int cgroup = -1, upper = -1, setup = enter_root(&s, &cgroup, &upper);
     if (setup) {
         char why[sizeof error - 40]; /* room for the prefix */
@@ -869,9 +966,10 @@ int main(int argc, char **argv) {
     prctl(PR_SET_DUMPABLE, 0);
     struct buf pristine = {0}, now = {0};
     size_t pristine_top = 0;
-    int emptiable = scratch_emptiable(&s);
+    int may_reuse = scratch_emptiable(&s); /* whether this root can serve a next run at all */
     if (!setup) {
-        mark_dir(&pristine, upper, 1);
+        if (mark_layer(&pristine, upper, 0, NULL))
+            may_reuse = 0;
         pristine_top = pristine.len;
         traces(&pristine);
     }
@@ -907,9 +1005,8 @@ int main(int argc, char **argv) {
            accounting, whose peak and OOM counters are the cgroup's whole life. */
         int reusable = 0;
         now.len = 0;
-        if (!r.timed_out && r.oom < 0 && emptiable) {
-            mark_dir(&now, upper, 1);
-            if (now.len == pristine_top && !memcmp(now.data, pristine.data, now.len) && !empty_scratch()) {
+        if (!r.timed_out && r.oom < 0 && may_reuse) {
+            if (!mark_layer(&now, upper, 0, &pristine) && now.len == pristine_top && !empty_scratch()) {
                 traces(&now);
                 reusable = now.len == pristine.len && !memcmp(now.data, pristine.data, now.len);
             }
