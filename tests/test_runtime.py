@@ -766,6 +766,31 @@ def test_the_init_refuses_a_bad_command_line_in_one_line():
     assert r.returncode == 2 and r.stderr.startswith("usage: image-builder-init session|joined BASE LOWER"), r
 
 
+@pytest.mark.parametrize("memory_mb, events, expect", [
+    (200, "oom 1\noom_kill 1\n", ("1 1 204800", "77", "209715200", "0")),
+    (0, "oom 0\noom_kill 0\n", ("1 0 204800", "77", "max", "max")),
+    (200, None, ("0 -1 -1", "77", None, None)),  # v1: pids only, memory left to RLIMIT_AS
+])
+def test_the_init_sets_cgroup_limits_and_reads_the_memory_verdict(tmp_path, memory_mb, events, expect):
+    """The v2 side of native/init.c against a directory laid out like a run's cgroup (this
+    host's memory controller is on cgroup v1, so a real v2 memory limit cannot be met here)."""
+    check = tmp_path / "check"
+    subprocess.run(["musl-gcc", "-static", "-O1", "-o", str(check), str(Path(__file__).parent / "support" /
+                    "init_cgroup_check.c")], check=True)
+    cg = tmp_path / "cg"
+    cg.mkdir()
+    (cg / "pids.max").write_text("")
+    if events is not None:
+        (cg / "memory.max").write_text("max\n")
+        (cg / "memory.swap.max").write_text("max\n")
+        (cg / "memory.events").write_text("low 0\nhigh 0\nmax 3\n" + events + "oom_group_kill 0\n")
+        (cg / "memory.peak").write_text("209715200\n")
+    out = subprocess.run([str(check), str(cg), str(memory_mb)], capture_output=True, text=True, check=True).stdout
+    written = [(cg / name).read_text()[:len(want)] if want else None
+               for name, want in (("pids.max", expect[1]), ("memory.max", expect[2]), ("memory.swap.max", expect[3]))]
+    assert (out.strip(), *written) == expect
+
+
 def test_a_starting_holder_removes_only_dead_holders_cgroups(tmp_path):
     """Holders of other state dirs share the parent cgroup: between two runs their tree is
     empty, and a new holder must not take it for a killed holder's leftovers."""
