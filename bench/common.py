@@ -42,11 +42,14 @@ def python_rootfs(suite: str = "bookworm") -> Path:
 
 
 def timed(cmd: list[str] | str, *, env: dict | None = None, setup=None, repeat: int = 3, **kw) -> float:
-    """Median wall time of a command over `repeat` runs; `setup` runs before each, untimed."""
+    """Median wall time of a command over `repeat` runs; `setup` runs before each, untimed,
+    then sync: a command that fsyncs (ours do, before publishing) must not wait for what
+    earlier ones left to write back (ext4 commits it with the journal)."""
     times = []
     for _ in range(repeat):
         if setup:
             setup()
+        os.sync()
         t0 = time.perf_counter()
         r = subprocess.run(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL,
                            stderr=subprocess.PIPE, shell=isinstance(cmd, str), **kw)

@@ -233,7 +233,7 @@ def fuse_mount(image: str, offset: int, target: str) -> None:
         raise OSError(errno.EIO, f"{os.path.basename(program)} {image}: {lines[-1]}")
 
 
-# --- a run's root (init side) --------------------------------------------------------------------
+# --- a run's root: what its init (native/init.c) is given -------------------------------------
 
 DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")
 
