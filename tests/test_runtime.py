@@ -212,6 +212,14 @@ class Case:
         session = kw.pop("session", {})
         return self.run(self.req(argv, **kw), **session)[0]
 
+    def host_dir(self) -> Path:
+        """A host directory to bind, owned by the user the runs are for."""
+        host = self.state_dir / "bound"
+        host.mkdir()
+        if self.user is not None:
+            os.chown(host, self.user, self.user)
+        return host
+
 
 @pytest.fixture(params=BACKENDS)
 def case(request, tmp_path_factory) -> Case:
@@ -503,10 +511,7 @@ def test_an_untouched_root_serves_the_next_run_and_nothing_carries_over(case):
 
 @pytest.mark.parametrize("case", ["kernel", "userns"], indirect=True)
 def test_a_host_directory_bound_under_tmp_is_never_emptied(case):
-    host = case.state_dir / "bound"
-    host.mkdir()
-    if case.user is not None:
-        os.chown(host, case.user, case.user)
+    host = case.host_dir()
     write = case.req(["sh", "-c", 'echo "$$"; echo kept > /tmp/data/x'])
     again = case.req(["sh", "-c", 'echo "$$"; cat /tmp/data/x'])
     out = case.run(write, again, binds=[[str(host), "/tmp/data", False]])
@@ -524,12 +529,10 @@ def test_the_command_inherits_no_descriptor_but_its_stdio(case):
 
 @pytest.mark.parametrize("case", ["kernel", "userns"], indirect=True)
 def test_a_file_given_onto_a_fifo_is_refused_instead_of_hanging(case):
-    host = case.state_dir / "bound"
-    host.mkdir()
+    host = case.host_dir()
     os.mkfifo(host / "fifo")
     if case.user is not None:
-        for path in (host, host / "fifo"):
-            os.chown(path, case.user, case.user)
+        os.chown(host / "fifo", case.user, case.user)
     got = case.run_raw(case.req(["true"], files={"/data/fifo": b"x"}, timeout=5),
                        binds=[[str(host), "/data", False]])
     assert "cannot write /data/fifo: not a regular file in the instance" in got.get("error", ""), got
@@ -537,10 +540,7 @@ def test_a_file_given_onto_a_fifo_is_refused_instead_of_hanging(case):
 
 @pytest.mark.parametrize("case", ["kernel", "userns"], indirect=True)
 def test_nothing_carries_over_in_the_mount_points_made_for_binds(case):
-    host = case.state_dir / "bound"
-    host.mkdir()
-    if case.user is not None:
-        os.chown(host, case.user, case.user)
+    host = case.host_dir()
     leave = case.req(["sh", "-c", "echo left > /made/for/x; ls /made/for"])  # /made/for: in the writable layer
     look = case.req(["sh", "-c", "cat /made/for/x"])
     out = case.run(leave, look, binds=[[str(host), "/made/for/bind", True]])

@@ -896,14 +896,14 @@ static int receive(const struct spec *s, char **data, size_t *len, int *owned, i
             nfds = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
             memcpy(fds, CMSG_DATA(c), nfds * sizeof(int));
         }
-    if ((msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) || nfds < (s->joined ? 0 : 3) + (n >= 4 && !memcmp(message, "IBJP", 4)))
+    int big = n == 12 && !memcmp(message, "IBJP", 4), used = (s->joined ? 0 : 3) + big;
+    if ((msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) || nfds < used)
         return fail("bad job message: truncated, or descriptors missing");
-    int used = (s->joined ? 0 : 3) + (n == 12 && !memcmp(message, "IBJP", 4));
     for (int i = used; i < nfds; i++) /* more than a job comes with: not kept in a reused init */
         close(fds[i]);
     for (int i = 0; i < 3; i++)
         stdio[i] = s->joined ? i : fds[i];
-    if (n == 12 && !memcmp(message, "IBJP", 4)) {
+    if (big) {
         uint64_t size;
         int payload = fds[s->joined ? 0 : 3];
         memcpy(&size, message + 4, 8);
