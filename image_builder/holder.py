@@ -45,7 +45,7 @@ speak marshal (the same interpreter at both ends: the socket name says which):
   session -> holder  {"op": "init", "network": b}          answer {"network": b} + the init's control socket
 Session and init:
   session -> init    encode_job(job) (format in init.c) + stdin, stdout, stderr (a big job:
-                     job_message() + a memfd holding it)
+                     job_message(): its size + a memfd holding it)
   init -> session    marshal {"exit_code", "signal", "timed_out", "peak_memory_kb", "out_of_memory",
                      "reusable"} or {"error"}; after "reusable": true the session may send the next job
 """
@@ -70,7 +70,7 @@ from .mounts import (CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWUSER, INI
                      dev_template, fuse_mount, hold_tree, init_program, loop_mount, loopback_up, map_root, mount,
                      prctl, setns, umount, unshare)
 
-__all__ = ["DEFAULT_MAX_PROCESSES", "IDLE_INIT", "INLINE_JOB", "encode_job", "holder_main", "job_message", "memfd_with",
+__all__ = ["DEFAULT_MAX_PROCESSES", "IDLE_INIT", "encode_job", "holder_main", "job_message", "memfd_with",
            "recv_fds", "run_joined", "send_fds"]
 
 # --- messages ------------------------------------------------------------------------------
@@ -134,10 +134,13 @@ def encode_job(job: dict) -> bytes:
     return b"".join(parts)
 
 
-def job_message(job: bytes) -> bytes:
-    """The message carrying an encoded job: itself, or for a big one its size (the job
-    then goes in a memfd, the message's last descriptor)."""
-    return job if len(job) <= INLINE_JOB else b"IBJP" + struct.pack("<Q", len(job))
+def job_message(job: bytes) -> tuple[bytes, list[int]]:
+    """The message carrying an encoded job, and the descriptors to send after the
+    command's stdio (the caller closes them): the job itself, or for a big one its size
+    and a memfd holding it."""
+    if len(job) <= INLINE_JOB:
+        return job, []
+    return b"IBJP" + struct.pack("<Q", len(job)), [memfd_with(job)]
 
 
 def spawn_init(program: str, spec: RootSpec, mode: str, ctl: int) -> int:
@@ -556,8 +559,7 @@ def run_joined(holder_pid: int, kernel: bool, spec: RootSpec, job: dict) -> int:
                 setns(fd)
             unshare(CLONE_NEWPID)
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            payload = [] if len(job_bytes) <= INLINE_JOB else [memfd_with(job_bytes)]
-            send_fds(ours, job_message(job_bytes), payload)
+            send_fds(ours, *job_message(job_bytes))
             init = spawn_init(program, spec, "joined", theirs.fileno())
             code = os.waitstatus_to_exitcode(os.waitpid(init, 0)[1])
             code = code if code >= 0 else 128 - code

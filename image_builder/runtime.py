@@ -50,8 +50,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .execution import DEFAULT_PATH, Bind, RunRequest, RunResult
-from .holder import (DEFAULT_MAX_PROCESSES, IDLE_INIT, INLINE_JOB, encode_job, job_message, memfd_with, recv_fds,
-                     run_joined, send_fds)
+from .holder import (DEFAULT_MAX_PROCESSES, IDLE_INIT, encode_job, job_message, memfd_with, recv_fds, run_joined,
+                     send_fds)
 from .cgroups import locate_cgroups, start_join_grace_period
 from .mounts import INIT_MISSING, RootSpec, RunnerError, init_program, squashfuse
 
@@ -520,10 +520,9 @@ class _HolderSession(Session):
             elif reusable:
                 reusable[1].close()
 
-    def _send(self, job: bytes, fds: list[int], network: bool, key: tuple[bool, int | None]) -> socket.socket:
-        """Hand the job to an init whose last run left it untouched, else to a ready one (one
-        killed meanwhile is passed over)."""
-        msg = job_message(job)
+    def _send(self, msg: bytes, fds: list[int], network: bool, key: tuple[bool, int | None]) -> socket.socket:
+        """Hand the job's message to an init whose last run left it untouched, else to a
+        ready one (one killed meanwhile is passed over)."""
         for _attempt in range(8):
             ctl = self._take_reused(key) or self._take(network)
             try:
@@ -544,10 +543,10 @@ class _HolderSession(Session):
             err_r, err_w = os.pipe2(os.O_CLOEXEC)
             fds += [out_w, err_w]
             try:
-                if len(job) > INLINE_JOB:
-                    fds.append(memfd_with(job))
+                msg, payload = job_message(job)
+                fds += payload
                 t0 = time.monotonic()
-                ctl = self._send(job, fds, request.network, key)
+                ctl = self._send(msg, fds, request.network, key)
             finally:
                 for fd in fds:
                     os.close(fd)

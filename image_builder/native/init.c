@@ -209,25 +209,6 @@ static int normalize(const char *path, char *out, size_t size) {
     return n ? 0 : -1;
 }
 
-/* A path in the new root (the current directory), relative to it, that no symlink of
-   the image redirects: before pivot_root a symlink would resolve against the host's root. */
-static int inside(const char *path, char *out, size_t size) {
-    struct stat st;
-    if (normalize(path, out, size))
-        return fail("bad path inside the instance: '%s'; use an absolute path without '..'", path);
-    for (char *s = out;; s++) {
-        if (*s == '/' || !*s) {
-            char c = *s;
-            *s = 0;
-            int link = !lstat(out, &st) && S_ISLNK(st.st_mode);
-            if (link)
-                return fail("/%s is a symlink in the instance; mount on the path it points to instead", out);
-            if (!(*s = c))
-                return 0;
-        }
-    }
-}
-
 /* The mount point for a bind at `dest` in the new root (the current directory), made if
    missing (a directory, or an empty file to bind a file on): an O_PATH descriptor. Each
    component is opened without following a symlink, so neither the image's symlinks nor
@@ -339,8 +320,10 @@ static int enter_root(const struct spec *s, int *cgroup, int *upper_fd) {
     for (size_t i = 0; i < 3; i++) {
         if (lstat(dirs[i].name, &st) && (mkdir(dirs[i].name, dirs[i].mode) || chmod(dirs[i].name, dirs[i].mode)))
             return fail("mkdir /%s: %s", dirs[i].name, strerror(errno));
-        if (inside(dirs[i].name, path, sizeof path))
+        int fd = open_mountpoint(dirs[i].name, 1); /* the same check as a bind's: no symlink */
+        if (fd < 0)
             return -1;
+        close(fd);
     }
     snprintf(opts, sizeof opts, "mode=1777%s", size);
     /* Without a kept layer, /tmp is emptied after each run: a run that wrote only there leaves no trace. */
