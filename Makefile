@@ -7,7 +7,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 # Runtime tools, then the ones only the tests and benchmarks use.
 APT_RUNTIME = python3-venv squashfs-tools squashfuse fuse-overlayfs fuse3 proot util-linux git ca-certificates
-# To build image_builder/native: squashfuse_cached, and image-builder-init (static with musl:
+# To build image_builder/runtime/native: squashfuse_cached, and image-builder-init (static with musl:
 # glibc's start-up probes the CPU with cpuid, a VM exit each; 0.1 ms per init against 0.5).
 APT_BUILD   = gcc libc6-dev pkg-config libfuse3-dev libsquashfuse-dev musl-tools
 APT_TEST    = docker-registry siftool skopeo debootstrap openssl munge slurmctld slurmd slurm-client
@@ -36,12 +36,12 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 # squashfuse_ll with the kernel's FUSE caches on; the runtime finds it beside the venv's python.
-$(VENV)/bin/squashfuse_cached: image_builder/native/squashfuse_cached.c $(VENV)/.installed
+$(VENV)/bin/squashfuse_cached: image_builder/runtime/native/squashfuse_cached.c $(VENV)/.installed
 	cc -O2 -Wall -Werror -o $@.tmp $< $$(pkg-config --cflags --libs squashfuse_ll fuse3)
 	mv $@.tmp $@
 
 # Every run's pid 1 (kernel and userns backends); the runtime finds it the same way.
-$(VENV)/bin/image-builder-init: image_builder/native/init.c $(VENV)/.installed
+$(VENV)/bin/image-builder-init: image_builder/runtime/native/init.c $(VENV)/.installed
 	musl-gcc -static -O2 -Wall -Wextra -Werror -o $@.tmp $<
 	mv $@.tmp $@
 
@@ -53,7 +53,7 @@ test: setup
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 demo: setup
-	$(PY) -m image_builder.demo
+	$(PY) -m image_builder.devtools.demo
 
 bench: setup
 	$(PY) -m bench.run

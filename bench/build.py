@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 from bench.common import CACHE, ROOT, Report, Row, python_rootfs
-from image_builder.sandbox import Backend, Bind, SandboxSpec, run as sandbox_run
-from image_builder.sif import write_sif
-from image_builder.squashfs import SquashOptions, mksquashfs_command
+from image_builder.build.sandbox import BuildBackend, Bind, SandboxSpec, run as sandbox_run
+from image_builder.pack.sif import write_sif
+from image_builder.pack.squashfs import SquashOptions, mksquashfs_command
 
 WHEELS = ("six", "attrs", "iniconfig", "packaging", "pluggy", "pytest")
 
@@ -36,7 +36,7 @@ def wheels() -> Path:
     return dest
 
 
-def script_run(base: Path, backend: Backend, context: Path, work: Path) -> tuple[float, Path]:
+def script_run(base: Path, backend: BuildBackend, context: Path, work: Path) -> tuple[float, Path]:
     root = work / f"root-{backend.value}"
     shutil.rmtree(root, ignore_errors=True)
     subprocess.run(["cp", "-a", str(base), str(root)], check=True)
@@ -59,12 +59,12 @@ def main() -> Report:
         context = work / "context"
         shutil.copytree(wheels(), context / "wheels")
         times = {}
-        for backend in (Backend.CHROOT, Backend.USERNS, Backend.PROOT):
+        for backend in (BuildBackend.CHROOT, BuildBackend.USERNS, BuildBackend.PROOT):
             times[backend], tree = script_run(base, backend, context, work)
-        for backend in (Backend.USERNS, Backend.PROOT):
-            goal = "<= 1.1x" if backend is Backend.USERNS else "(ptrace: expected slower)"
+        for backend in (BuildBackend.USERNS, BuildBackend.PROOT):
+            goal = "<= 1.1x" if backend is BuildBackend.USERNS else "(ptrace: expected slower)"
             report.rows.append(Row(f"venv + {len(WHEELS)} wheels + compileall, {backend.value}", times[backend],
-                                   "chroot", times[Backend.CHROOT], goal))
+                                   "chroot", times[BuildBackend.CHROOT], goal))
 
         opts = SquashOptions()
         bare = work / "bare.sqfs"

@@ -17,15 +17,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.common import CACHE, ROOT, Report, Row, python_rootfs
-from image_builder.cache import BlobCache
-from image_builder.catalog import load
-from image_builder.envbuild import BuildOptions
+from image_builder.build.catalog import load
+from image_builder.build.envbuild import BuildOptions
+from image_builder.build.storebuild import StoreBuildOptions, build_store
+from image_builder.devtools.localregistry import push_image, rootfs_layer, self_signed_cert, start_registry
 from image_builder.graders import AssertTask, GradeOptions, Prediction, grade_predictions, load_tasks
-from image_builder.grading import StoreExecutors
-from image_builder.localregistry import push_image, rootfs_layer, self_signed_cert, start_registry
-from image_builder.registry import RegistryOptions
-from image_builder.store import Store
-from image_builder.storebuild import StoreBuildOptions, build_store
+from image_builder.graders.grading import StoreExecutors
+from image_builder.oci.cache import BlobCache
+from image_builder.oci.registry import RegistryOptions
+from image_builder.store.store import Store
 
 DATA = ROOT / "index/data"
 WORKERS = 2

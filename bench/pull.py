@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from image_builder.localregistry import push_image, rootfs_layer, self_signed_cert, start_registry
+from image_builder.devtools.localregistry import push_image, rootfs_layer, self_signed_cert, start_registry
 from bench.common import CACHE, VENV_BIN, Report, Row, need, python_rootfs, timed
 from tests.support.servers import FaultProxy
 

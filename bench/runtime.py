@@ -26,11 +26,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.common import CACHE, ROOT, Report, Row, need, python_rootfs, timed
-from image_builder.execution import RunRequest
-from image_builder.index import EnvRecord, Index, InstanceRecord, write_index
-from image_builder.runtime import Backend, InstanceLayers, open_session
-from image_builder.sif import write_sif
-from image_builder.squashfs import SquashOptions, pack
+from image_builder.pack.sif import write_sif
+from image_builder.pack.squashfs import SquashOptions, pack
+from image_builder.runtime.backends import open_session
+from image_builder.runtime.execution import RunRequest
+from image_builder.runtime.session import Backend, InstanceLayers
+from image_builder.store.index import EnvRecord, Index, InstanceRecord, write_index
 
 NOBODY = 65534
 PASS = ("python3", "-c", "pass")
@@ -285,7 +286,7 @@ def main(rounds: int = 40) -> Report:
             "root: chroot, ours kernel, bwrap, bare python; uid 65534: ours userns, ch-run (timed in-process there)",
             "ours: a session's run (RunRequest, stdin /dev/null, output captured); chroot etc.: subprocess.run",
             "the warm rows are a session's run; the CLI row is a whole fresh `image-builder run` process",
-            "userns: layers mounted with squashfuse_cached (image_builder/native, built by make: the kernel caches "
+            "userns: layers mounted with squashfuse_cached (image_builder/runtime/native, built by make: the kernel caches "
             "opens, listings and symlinks, and answers xattr queries on an image without any); userns, "
             "squashfuse_ll: Debian's squashfuse_ll, a FUSE round trip for each of those; userns, unpacked: the environment unpacked once into a local directory (unpack_dir, "
             "$IMAGE_BUILDER_UNPACK_DIR) instead of squashfuse",

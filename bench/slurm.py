@@ -27,8 +27,8 @@ import tempfile
 from pathlib import Path
 
 from bench.common import VENV_BIN, Report, Row, timed
-from image_builder.localregistry import push_image, rootfs_layer, self_signed_cert, start_registry
-from image_builder.store import remove_tree
+from image_builder.devtools.localregistry import push_image, rootfs_layer, self_signed_cert, start_registry
+from image_builder.store.store import remove_tree
 from tests.support.bases import tiny_rootfs
 from tests.support.slurm_cluster import SlurmCluster, start_cluster
 from tests.test_store import INSTANCE_SCRIPT, catalog

@@ -22,14 +22,14 @@ from pathlib import Path
 import yaml
 
 from bench.common import CACHE, ROOT, Report, Row, python_rootfs
-from image_builder.cache import BlobCache
-from image_builder.catalog import load
-from image_builder.envbuild import BuildOptions
-from image_builder.index import EnvRecord, Index, InstanceRecord, write_index
-from image_builder.localregistry import push_image, rootfs_layer, self_signed_cert, start_registry
-from image_builder.registry import RegistryOptions
-from image_builder.squashfs import SquashOptions, mksquashfs_command
-from image_builder.storebuild import StoreBuildOptions, build_store
+from image_builder.build.catalog import load
+from image_builder.build.envbuild import BuildOptions
+from image_builder.build.storebuild import StoreBuildOptions, build_store
+from image_builder.devtools.localregistry import push_image, rootfs_layer, self_signed_cert, start_registry
+from image_builder.oci.cache import BlobCache
+from image_builder.oci.registry import RegistryOptions
+from image_builder.pack.squashfs import SquashOptions, mksquashfs_command
+from image_builder.store.index import EnvRecord, Index, InstanceRecord, write_index
 
 BUNDLE = ROOT / "index/data/repos/marshmallow.bundle"
 BASE_1359 = json.loads((ROOT / "index/data/swebench_marshmallow.jsonl").read_text().splitlines()[0])["base_commit"]
@@ -62,7 +62,7 @@ def write_catalog(work: Path, base: str, instances: list[dict]) -> Path:
 def full_image_bytes(store: Path, index_instances: list[str], work: Path) -> int:
     """Each instance as one self-contained squashfs: env + instance stacked, then packed."""
     from tests.test_store import Stack  # the same kernel overlay stacking the tests check
-    from image_builder.store import Store
+    from image_builder.store.store import Store
     total = 0
     st = Store.open(store)
     cmd_opts = SquashOptions()

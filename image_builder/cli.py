@@ -13,8 +13,8 @@ from pathlib import Path
 
 import click
 
-from . import __version__
-from .errors import ImageBuilderError
+from image_builder import __version__
+from image_builder.errors import ImageBuilderError
 
 
 def _one_line_errors(fn):
@@ -29,7 +29,7 @@ def _one_line_errors(fn):
 
 
 def _progress(quiet: bool):
-    from .progress import LogProgress, NullProgress, RichProgress
+    from image_builder.progress import LogProgress, NullProgress, RichProgress
     if quiet:
         return NullProgress()
     return RichProgress() if sys.stderr.isatty() else LogProgress()
@@ -50,7 +50,7 @@ def registry_options(fn):
 
 
 def _make_options(ca_cert, plain_http, insecure_tls, jobs=4):
-    from .registry import RegistryOptions
+    from image_builder.oci.registry import RegistryOptions
     return RegistryOptions(ca_cert=ca_cert, plain_http=frozenset(plain_http),
                            insecure_tls=frozenset(insecure_tls), jobs=jobs)
 
@@ -73,16 +73,16 @@ def main() -> None:
 @_one_line_errors
 def pull(ref, platform_, rootfs, as_json, jobs, cache_dir, ca_cert, plain_http, insecure_tls):
     """Pull REF (an image reference, or https://.../rootfs.tar.zst#sha256=HEX) into the cache."""
-    from .cache import BlobCache
-    from .manifest import Platform
-    from .pull import pull as do_pull
+    from image_builder.oci.cache import BlobCache
+    from image_builder.oci.manifest import Platform
+    from image_builder.oci.pull import pull as do_pull
 
     with _progress(as_json) as progress:
         image = do_pull(ref, cache=BlobCache(cache_dir), options=_make_options(ca_cert, plain_http, insecure_tls, jobs),
                         platform=Platform.parse(platform_) if platform_ else None, progress=progress)
     record = image.to_json()
     if rootfs:
-        from .layers import flatten
+        from image_builder.oci.layers import flatten
         report = flatten([layer.path for layer in image.layers], rootfs)
         record["rootfs"] = {"path": str(rootfs), "skipped": report.skipped}
     if as_json:
@@ -120,7 +120,7 @@ backend_option = click.option("--backend", type=click.Choice(["chroot", "userns"
 @_one_line_errors
 def check(catalog, bases):
     """Validate CATALOG without building anything."""
-    from .catalog import load
+    from image_builder.build.catalog import load
     cat = load(catalog, bases=_parse_bases(bases))
     click.echo(f"{catalog}: {len(cat.environments)} environments, {len(cat.instances)} instances, ok")
 
@@ -160,17 +160,17 @@ def _parse_shard(value: str | None) -> tuple[int, int] | None:
 def build(catalog, store, jobs, only, shard, fail_fast, attempt, environments_only, bases, backend, compression,
           processors, force, verbose, as_json, cache_dir, ca_cert, plain_http, insecure_tls):
     """Build CATALOG into STORE: one .sif per environment, one .sqfs per instance, and index.json."""
-    from .cache import BlobCache
-    from .catalog import load
-    from .envbuild import BuildOptions
-    from .progress import BuildLog, BuildProgress
-    from .sandbox import Backend, detect_backend
-    from .squashfs import SquashOptions
-    from .storebuild import StoreBuildOptions, build_store, select, to_json
+    from image_builder.build.catalog import load
+    from image_builder.build.envbuild import BuildOptions
+    from image_builder.build.sandbox import BuildBackend, detect_backend
+    from image_builder.build.storebuild import StoreBuildOptions, build_store, select, to_json
+    from image_builder.oci.cache import BlobCache
+    from image_builder.pack.squashfs import SquashOptions
+    from image_builder.progress import BuildLog, BuildProgress
 
     cat = load(catalog, bases=_parse_bases(bases))
-    chosen = Backend(backend) if backend else detect_backend()
-    if chosen is Backend.PROOT:
+    chosen = BuildBackend(backend) if backend else detect_backend()
+    if chosen is BuildBackend.PROOT:
         click.echo("warning: building under proot (ptrace): syscall-heavy steps like pip or compileall "
                    "run 2-45x slower than in a user namespace", err=True)
     build_opts = BuildOptions(store=store, cache=BlobCache(cache_dir),
@@ -210,7 +210,7 @@ def _print_summary(summary) -> None:
 
 
 def _human(n: float) -> str:
-    from .progress import human_bytes
+    from image_builder.progress import human_bytes
     return human_bytes(n)
 
 
@@ -221,12 +221,12 @@ def _human(n: float) -> str:
 @_one_line_errors
 def debug(environment, store, backend):
     """Open a shell in ENVIRONMENT's failed build, to rerun its scripts by hand."""
-    from .envbuild import debug_shell, failed_build
-    from .sandbox import Backend
+    from image_builder.build.envbuild import debug_shell, failed_build
+    from image_builder.build.sandbox import BuildBackend
     failed = failed_build(store, environment)
-    click.echo(f"debug shell in {failed.rootfs} ({(Backend(backend) if backend else failed.backend).value}); "
+    click.echo(f"debug shell in {failed.rootfs} ({(BuildBackend(backend) if backend else failed.backend).value}); "
                "the scripts are in the catalog's env_scripts/; exit to leave", err=True)
-    sys.exit(debug_shell(failed, Backend(backend) if backend else None))
+    sys.exit(debug_shell(failed, BuildBackend(backend) if backend else None))
 
 
 @main.command()
@@ -240,7 +240,7 @@ def inspect(target, store, as_json):
     if target.endswith(".sif") and Path(target).is_file():
         return _inspect_sif(Path(target), as_json)
     from dataclasses import asdict
-    from .store import Store
+    from image_builder.store.store import Store
     st = Store.open(store)
     resolved = st.resolve(target)
     record = {**asdict(resolved), "layers": [str(p) for p in resolved.layers]}
@@ -259,7 +259,7 @@ def inspect(target, store, as_json):
 
 
 def _inspect_sif(file: Path, as_json: bool) -> None:
-    from .sif import read_sif
+    from image_builder.pack.sif import read_sif
     image = read_sif(file)
     if as_json:
         click.echo(json.dumps({"path": str(file), "arch": image.arch, "labels": image.labels(), "objects": [
@@ -280,7 +280,7 @@ def _inspect_sif(file: Path, as_json: bool) -> None:
 @_one_line_errors
 def ls_(store, as_json):
     """List the store's environments: instance counts and sizes."""
-    from .store import Store
+    from image_builder.store.store import Store
     index = Store.open(store).index
     rows = []
     for name, env in sorted(index.environments.items()):
@@ -303,7 +303,7 @@ def ls_(store, as_json):
 @_one_line_errors
 def verify(store):
     """Re-hash every file against the index; report missing, corrupt and orphaned files."""
-    from .store import Store, verify as do_verify
+    from image_builder.store.store import Store, verify as do_verify
     report = do_verify(Store.open(store))
     for kind in ("missing", "corrupt", "orphaned"):
         for rel in getattr(report, kind):
@@ -320,7 +320,7 @@ def verify(store):
 @_one_line_errors
 def gc(store, keep_failed):
     """Remove files the index no longer references, temporary files and failed builds."""
-    from .store import Store, gc as do_gc
+    from image_builder.store.store import Store, gc as do_gc
     removed = do_gc(Store.open(store), keep_failed=keep_failed)
     for rel in removed:
         click.echo(f"removed {rel}")
@@ -333,8 +333,8 @@ runtime_backend_option = click.option("--backend", type=click.Choice(["kernel", 
 
 def _layers(store: Path, instance: str | None, env_name: str | None):
     """The runtime's layers for an instance, or for an environment alone (--env)."""
-    from .runtime import InstanceLayers
-    from .store import Store
+    from image_builder.runtime.session import InstanceLayers
+    from image_builder.store.store import Store
     st = Store.open(store)
     if env_name:
         env = st.index.environments.get(env_name)
@@ -346,7 +346,7 @@ def _layers(store: Path, instance: str | None, env_name: str | None):
 
 
 def _binds(values: tuple[str, ...]):
-    from .runtime import Bind
+    from image_builder.runtime.execution import Bind
     binds = []
     for v in values:
         parts = v.split(":")
@@ -377,8 +377,9 @@ def run(instance, command, store, timeout, memory, net, binds, env_vars, workdir
     Layers are read-only and each run gets a fresh throwaway layer. Put `--`
     before COMMAND when it has options of its own.
     """
-    from .execution import RunRequest
-    from .runtime import Backend, open_session
+    from image_builder.runtime.backends import open_session
+    from image_builder.runtime.execution import RunRequest
+    from image_builder.runtime.session import Backend
     if command and command[0] == "--":  # options stop at INSTANCE, so click passes `--` on
         command = command[1:]
     if not command:
@@ -425,7 +426,8 @@ def run(instance, command, store, timeout, memory, net, binds, env_vars, workdir
 @_one_line_errors
 def shell(instance, env_name, store, persist, net, binds, backend):
     """An interactive shell in INSTANCE (or --env NAME), over a throwaway writable layer."""
-    from .runtime import Backend, open_session
+    from image_builder.runtime.backends import open_session
+    from image_builder.runtime.session import Backend
     if not instance and not env_name:
         raise click.UsageError("name an INSTANCE or --env NAME")
     layers, what = _layers(store, instance, env_name)
@@ -442,8 +444,8 @@ def shell(instance, env_name, store, persist, net, binds, backend):
 
 def _has(layers, path: str) -> bool:
     """Whether the environment image has `path` (read from its squashfs listing, no mount)."""
-    from .sif import partition_offset
-    from .squashfs import list_paths
+    from image_builder.pack.sif import partition_offset
+    from image_builder.pack.squashfs import list_paths
     return f"/{path}" in list_paths(layers.env_sif, path, partition_offset(layers.env_sif)[0])
 
 
@@ -451,14 +453,14 @@ def _has(layers, path: str) -> bool:
 @_one_line_errors
 def doctor():
     """What this host supports for running instances, and why."""
-    from .runtime import doctor as diagnose
+    from image_builder.runtime.backends import doctor as diagnose
     for line in diagnose():
         click.echo(f"{'ok ' if line.ok else 'no '} {line.check:<12} {line.detail}")
 
 
 def _grade_options(timeout, memory, strict, access):
     from dataclasses import replace
-    from .graders import GradeOptions, TestAccess
+    from image_builder.graders import GradeOptions, TestAccess
     opts = GradeOptions(strict=strict, access=TestAccess(access))
     if timeout:
         opts = replace(opts, case_timeout=timeout, stdio_timeout=timeout)
@@ -506,10 +508,11 @@ predictions_option = click.option("--predictions", type=click.Path(exists=True, 
 @_one_line_errors
 def grade(store, tasks, predictions, output, shard, jobs, timeout, memory, strict, access, backend):
     """Grade PREDICTIONS against TASKS, each in its instance of STORE."""
-    from .graders import load_predictions, load_tasks
-    from .grading import StoreExecutors, grade_to_file, read_results, shard_predictions, write_summary
-    from .runtime import Backend
-    from .store import Store
+    from image_builder.graders import load_predictions, load_tasks
+    from image_builder.graders.grading import (StoreExecutors, grade_to_file, read_results, shard_predictions,
+                                               write_summary)
+    from image_builder.runtime.session import Backend
+    from image_builder.store.store import Store
     task_list, preds = load_tasks(tasks), load_predictions(predictions)
     if shard:
         preds = shard_predictions(preds, task_list, _parse_shard(shard))
@@ -525,7 +528,7 @@ def grade(store, tasks, predictions, output, shard, jobs, timeout, memory, stric
 
 
 def _print_grades(summary, output: Path) -> None:
-    from .grading import summary_path
+    from image_builder.graders.grading import summary_path
     click.echo(f"{summary.total} tasks: {summary.passed} passed ({summary.pass_rate:.1%}), "
                f"mean score {summary.mean_score:.3f}, timeouts in {summary.tasks_with_timeouts} tasks")
     for status, count in sorted(summary.by_status.items()):
@@ -546,8 +549,8 @@ def results_group():
 @_one_line_errors
 def results_merge(parts, predictions, output):
     """Join the results files of a sharded grading run (grade --shard K/N) into one, with its summary."""
-    from .graders import load_predictions
-    from .grading import merge_results
+    from image_builder.graders import load_predictions
+    from image_builder.graders.grading import merge_results
     _print_grades(merge_results(parts, load_predictions(predictions), output), output)
 
 
@@ -590,10 +593,10 @@ class _grade_progress:
 @_one_line_errors
 def qc(store, tasks, references, output_dir, jobs, timeout, memory, strict, access, backend):
     """ImpossibleBench's quality check: keep a mutation only if the reference and the empty solution both fail."""
-    from .graders import load_predictions, load_tasks, quality_check_all, write_qc
-    from .grading import StoreExecutors
-    from .runtime import Backend
-    from .store import Store
+    from image_builder.graders import load_predictions, load_tasks, quality_check_all, write_qc
+    from image_builder.graders.grading import StoreExecutors
+    from image_builder.runtime.session import Backend
+    from image_builder.store.store import Store
     refs = {p.task_id: p.solution for p in load_predictions(references) if p.solution is not None}
     with StoreExecutors(Store.open(store), backend=Backend(backend) if backend else None) as executors:
         verdicts = quality_check_all(load_tasks(tasks), refs, executors,
@@ -613,7 +616,7 @@ def index_group():
 @_one_line_errors
 def index_merge(store):
     """Combine the index fragments of a sharded build (--shard K/N) into index.json."""
-    from .storebuild import merge_fragments
+    from image_builder.build.storebuild import merge_fragments
     path, count = merge_fragments(store)
     click.echo(f"merged {count} fragments into {path}")
 
@@ -655,7 +658,7 @@ def slurm_build(catalog, store, shards, partition, time_limit, cpus_per_task, sb
                 cache_dir, ca_cert, plain_http, insecure_tls, wait, poll):
     """Build CATALOG into STORE as Slurm jobs: the instances as a job array (each shard building the environments
     it needs, each environment once), then the index."""
-    from . import slurm
+    from image_builder import slurm
     plan = slurm.build_plan(catalog, store, shards, bases=_parse_bases(bases), cache_dir=cache_dir, ca_cert=ca_cert,
                             plain_http=plain_http, insecure_tls=insecure_tls, compression=compression)
     for stale in slurm.drop_other_fragments(plan.home, shards):
@@ -678,7 +681,7 @@ def slurm_build(catalog, store, shards, partition, time_limit, cpus_per_task, sb
 def slurm_grade(store, tasks, predictions, output, shards, partition, time_limit, cpus_per_task, sbatch_args,
                 timeout, memory, strict, access, backend, wait, poll):
     """Grade PREDICTIONS as a Slurm job array (each task grading --cpus-per-task at once), then merge the results."""
-    from . import slurm
+    from image_builder import slurm
     grade_args = [*(("--timeout", str(timeout)) if timeout else ()), *(("--memory", str(memory)) if memory else ()),
                   *(("--strict",) if strict else ()), "--test-access", access,
                   *(("--backend", backend) if backend else ())]
@@ -689,7 +692,7 @@ def slurm_grade(store, tasks, predictions, output, shards, partition, time_limit
 def _launch(plan, sbatch, wait: bool, poll: float) -> None:
     """Write the run's scripts, submit them, and with --wait follow the jobs to the end."""
     import os
-    from . import slurm
+    from image_builder import slurm
     run = slurm.write_run(plan, sbatch, dict(os.environ))
     _submitted(run, slurm.submit(run), wait, poll)
 
@@ -701,7 +704,7 @@ def _launch(plan, sbatch, wait: bool, poll: float) -> None:
 @_one_line_errors
 def slurm_status(run_dir, wait, poll):
     """Show where the jobs of RUN (STORE/slurm/<kind>-<time>/) are; exit non-zero if one failed."""
-    from . import slurm
+    from image_builder import slurm
     run = slurm.Run.open(run_dir)
     if wait:
         return _slurm_follow(run, poll)
@@ -717,14 +720,14 @@ def slurm_status(run_dir, wait, poll):
 @_one_line_errors
 def slurm_resubmit(run_dir, wait, poll):
     """Submit again the failed shards of RUN, and the jobs after them; finished items are not rebuilt."""
-    from . import slurm
+    from image_builder import slurm
     run = slurm.Run.open(run_dir)
     _submitted(run, slurm.resubmit(run), wait, poll)
 
 
 def _submitted(run, submission, wait: bool, poll: float) -> None:
     """Say what was submitted and how to follow it; with --wait, follow it to the end."""
-    from .slurm import format_indices
+    from image_builder.slurm import format_indices
     jobs = ", ".join(f"{stage} {job}" + (f" (shards {format_indices(submission.shards)})" if stage == run.array else "")
                      for stage, job in submission.jobs.items())
     click.echo(f"submitted {jobs}")
@@ -735,13 +738,13 @@ def _submitted(run, submission, wait: bool, poll: float) -> None:
 
 
 def _slurm_follow(run, poll: float) -> None:
-    from .slurm import follow
+    from image_builder.slurm import follow
     _slurm_report(run, follow(run, lambda snap: click.echo(snap.summary(), err=True), poll=poll))
 
 
 def _slurm_report(run, snap) -> None:
     """Failed jobs with their logs and how to resubmit them; exit 1 if there are any."""
-    from .slurm import log_excerpt
+    from image_builder.slurm import log_excerpt
     for task in snap.failed:
         what = f"{task.stage} {task.shard}" if task.shard is not None else task.stage
         log = f"; log: {task.log}" if task.log.exists() else ""  # none when it never ran
@@ -754,7 +757,7 @@ def _slurm_report(run, snap) -> None:
     if snap.finished:
         click.echo(f"done: every job of {run.directory} succeeded; made {run.product}")
         if run.kind == "grade":
-            from .grading import summary_path
+            from image_builder.graders.grading import summary_path
             path = summary_path(run.product)
             if path.exists():
                 summary = json.loads(path.read_text())

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ImageBuilderError
+from image_builder.errors import ImageBuilderError
 
 RUN_FILE = "run.json"
 SUBMISSIONS = "submissions"
@@ -415,7 +415,7 @@ def build_plan(catalog: Path, store: Path, shards: int, *, bases: dict[str, str]
                compression: str) -> Plan:
     """The stages of a sharded build: the shards (environments as needed, then instances), then merge and
     verify."""
-    from .catalog import load
+    from image_builder.build.catalog import load
     cat = load(catalog, bases=bases)  # errors now, not in a job after a wait in the queue
     if shards > len(cat.instances):
         raise SlurmError(f"--shards {shards}: {catalog} has only {len(cat.instances)} instances")
@@ -441,7 +441,7 @@ def build_plan(catalog: Path, store: Path, shards: int, *, bases: dict[str, str]
 
 def drop_other_fragments(store: Path, shards: int) -> list[Path]:
     """Index fragments of an earlier build in another number of shards: `index merge` would mix them in."""
-    from .storebuild import FRAGMENTS_DIR
+    from image_builder.build.storebuild import FRAGMENTS_DIR
     stale = [p for p in (store / FRAGMENTS_DIR).glob("shard-*-of-*.json")
              if not re.fullmatch(rf"shard-\d+-of-{shards}\.json", p.name)]
     for p in stale:
@@ -454,9 +454,9 @@ def drop_other_fragments(store: Path, shards: int) -> list[Path]:
 def grade_plan(store: Path, tasks: Path, predictions: Path, output: Path, shards: int,
                grade_args: tuple[str, ...] = ()) -> Plan:
     """The stages of a sharded grading run; `grade_args` are more options of `grade` (--timeout ...)."""
-    from .graders import load_predictions, load_tasks
-    from .grading import instance_of
-    from .store import Store
+    from image_builder.graders import load_predictions, load_tasks
+    from image_builder.graders.grading import instance_of
+    from image_builder.store.store import Store
     Store.open(store)  # errors now, not in a job after a wait in the queue
     by_id = {t.task_id: instance_of(t) for t in load_tasks(tasks)}
     instances = {by_id.get(p.task_id, p.task_id) for p in load_predictions(predictions)}

@@ -12,13 +12,12 @@ from pathlib import Path
 import bcrypt
 import pytest
 
-from image_builder.bases import debian_rootfs
-from image_builder.cache import BlobCache
-from image_builder.localregistry import push_image, rootfs_layer
-from image_builder.store import remove_tree
-from image_builder.localregistry import CertPair, LocalRegistry, start_registry
-from image_builder.localregistry import self_signed_cert as self_signed
-from image_builder.registry import RegistryOptions
+from image_builder.devtools.bases import debian_rootfs
+from image_builder.devtools.localregistry import (CertPair, LocalRegistry, push_image, rootfs_layer,
+                                                  self_signed_cert as self_signed, start_registry)
+from image_builder.oci.cache import BlobCache
+from image_builder.oci.registry import RegistryOptions
+from image_builder.store.store import remove_tree
 from tests.support import oci
 from tests.support.bases import tiny_rootfs
 from tests.support.oci import Entry
@@ -186,9 +185,9 @@ def debian_bullseye_base(registries) -> str:
 @pytest.fixture(scope="session")
 def marshmallow_store(registries, debian_base, debian_bullseye_base, tmp_path_factory) -> Path:
     """index/swebench-marshmallow.yaml built for real: two environments, two instances."""
-    from image_builder.catalog import load
-    from image_builder.envbuild import BuildOptions
-    from image_builder.storebuild import StoreBuildOptions, build_store
+    from image_builder.build.catalog import load
+    from image_builder.build.envbuild import BuildOptions
+    from image_builder.build.storebuild import StoreBuildOptions, build_store
     work = tmp_path_factory.mktemp("marshmallow")
     catalog = load(ROOT / "index/swebench-marshmallow.yaml",
                    bases={"bookworm-python": debian_base, "bullseye-python": debian_bullseye_base})
@@ -202,9 +201,9 @@ def marshmallow_store(registries, debian_base, debian_bullseye_base, tmp_path_fa
 @pytest.fixture(scope="session")
 def mbpp_store(registries, debian_base, public_dir) -> Path:
     """index/mbpp.yaml built for real: one Python environment, the 40 sample tasks as instances."""
-    from image_builder.catalog import load
-    from image_builder.envbuild import BuildOptions
-    from image_builder.storebuild import StoreBuildOptions, build_store
+    from image_builder.build.catalog import load
+    from image_builder.build.envbuild import BuildOptions
+    from image_builder.build.storebuild import StoreBuildOptions, build_store
     catalog = load(ROOT / "index/mbpp.yaml", bases={"python": debian_base})
     build = BuildOptions(store=public_dir / "mbpp-store", cache=BlobCache(public_dir / "mbpp-cache"),
                          registry=RegistryOptions(ca_cert=registries.tls.cert))

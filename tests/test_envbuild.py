@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from image_builder.cache import BlobCache
-from image_builder.catalog import CatalogError, load
-from image_builder.envbuild import BuildFailed, BuildOptions, LABEL_PREFIX, build_environment
-from image_builder.registry import RegistryOptions
-from image_builder.sif import read_sif
+from image_builder.build.catalog import CatalogError, load
+from image_builder.build.envbuild import BuildFailed, BuildOptions, LABEL_PREFIX, build_environment
+from image_builder.oci.cache import BlobCache
+from image_builder.oci.registry import RegistryOptions
+from image_builder.pack.sif import read_sif
 from tests.conftest import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]

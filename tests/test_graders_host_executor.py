@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from image_builder.execution import RunRequest
+from image_builder.runtime.execution import RunRequest
 from tests.support.host_executor import SANDBOX_UID, HostExecutor, HostExecutorError
 
 

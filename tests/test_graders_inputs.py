@@ -8,12 +8,11 @@ import pytest
 
 from image_builder.errors import ImageBuilderError
 
-from image_builder import rewards
 from image_builder.graders import (AssertTask, BadTask, GradeResult, Prediction, RepoTask, StdioTask, TaskStatus,
                                    extract_code, grade, grade_predictions, load_predictions, load_tasks,
-                                   parse_ground_truth, summarize, write_jsonl)
+                                   parse_ground_truth, rewards, summarize, write_jsonl)
 from image_builder.graders.errors import GraderError
-from image_builder.graders.tasks import task_from_record
+from image_builder.tasks import DatasetError, task_from_record
 from tests.support.grader_data import MBPP_IMPOSSIBLE, MBPP_TASKS, SWEBENCH, mbpp_solutions
 from tests.support.host_executor import HostExecutor
 
@@ -98,14 +97,14 @@ def test_bad_records_in_a_task_file(tmp_path):
 
 
 def test_unreadable_task_files_raise_one_line_errors(tmp_path):
-    with pytest.raises(GraderError, match="cannot read"):
+    with pytest.raises(DatasetError, match="cannot read"):
         load_tasks(tmp_path / "missing.jsonl")
     (tmp_path / "bad.parquet").write_bytes(b"not parquet")
-    with pytest.raises(GraderError, match="not a readable parquet file"):
+    with pytest.raises(DatasetError, match="not a readable parquet file"):
         load_tasks(tmp_path / "bad.parquet")
     (tmp_path / "dup.jsonl").write_text(json.dumps({"task_id": 1, "assert_case": ["assert 1"]}) + "\n" +
                                         json.dumps({"task_id": 1, "assert_case": ["assert 1"]}) + "\n")
-    with pytest.raises(GraderError, match="task id 1 appears twice"):
+    with pytest.raises(DatasetError, match="task id 1 appears twice"):
         load_tasks(tmp_path / "dup.jsonl")
 
 

@@ -13,13 +13,13 @@ import re
 
 import pytest
 
-from image_builder.execution import RunResult
 from image_builder.graders import TaskStatus, TestAccess, load_tasks
 from image_builder.graders.access import is_test_path, reverted_files
 from image_builder.graders.patches import file_changes, refused_path, target_paths, touched_paths
 from image_builder.graders.swebench import directives_for, eval_script, judge, read_run
-from image_builder.graders.tasks import task_from_record
 from image_builder.graders.testlogs import TestStatus, junit_key, parse_junit, parse_pytest_log, parse_unittest_log
+from image_builder.runtime.execution import RunResult
+from image_builder.tasks import task_from_record
 from tests.support.grader_data import FIXTURES, SWEBENCH
 
 MARSHMALLOW_LOG = (FIXTURES / "pytest_rA_marshmallow_1359.log").read_text()

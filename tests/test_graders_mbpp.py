@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from image_builder.execution import RunRequest
 from image_builder.graders import (AssertTask, CaseStatus, GradeOptions, Prediction, TaskStatus, TestAccess,
                                    candidate_feedback, grade, grade_predictions, load_tasks, quality_check_all,
                                    summarize, write_qc)
+from image_builder.runtime.execution import RunRequest
 from tests.support.grader_data import MBPP_IMPOSSIBLE, MBPP_TASKS, function_name, mbpp_solutions
 from tests.support.host_executor import HostExecutor
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from image_builder import rewards
+from image_builder.graders import rewards
 from tests.conftest import ROOT, run_cli
 
 DATA = ROOT / "index/data"

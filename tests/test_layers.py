@@ -1,4 +1,4 @@
-"""Tests for image_builder.layers: OCI layer changesets flattened into a directory.
+"""Tests for image_builder.oci.layers: OCI layer changesets flattened into a directory.
 
 Layers are built here with tarfile; the malicious ones check that nothing outside
 the root changed by comparing a snapshot of everything next to it.
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from image_builder.layers import FlattenReport, LayerError, apply_layer, flatten, open_layer
+from image_builder.oci.layers import FlattenReport, LayerError, apply_tar_layer, flatten, open_layer
 
 MTIME = 1_600_000_000
 NOBODY = 65534
@@ -194,7 +194,7 @@ def test_root_is_created(tmp_path: Path):
     box = Box(tmp_path)
     layer = box.layer(reg("f", b"1"))
     root = tmp_path / "new" / "rootfs"
-    apply_layer(layer, root)
+    apply_tar_layer(layer, root)
     assert (root / "f").read_bytes() == b"1"
 
 
@@ -400,7 +400,7 @@ def test_rootless_as_unprivileged_user(nobody_dir: Path):
     l2.write_bytes(gzip.compress(tar_bytes(reg("ro/.wh.f"), reg("ro/g", b"g", mode=0o200), reg(".wh.locked"))))
     root = nobody_dir / "root"
     code = (
-        "import dataclasses, json, sys; from pathlib import Path; from image_builder.layers import flatten; "
+        "import dataclasses, json, sys; from pathlib import Path; from image_builder.oci.layers import flatten; "
         "print(json.dumps(dataclasses.asdict(flatten([Path(p) for p in sys.argv[2:]], Path(sys.argv[1])))))"
     )
     done = run_as_nobody(sys.executable, "-c", code, str(root), str(l1), str(l2))
@@ -555,10 +555,10 @@ def test_long_symlink_chain_within_limit_is_followed(box: Box):
     assert (box.root / "l39/file").read_bytes() == b"end"
 
 
-def test_report_is_shared_across_apply_layer_calls(box: Box):
+def test_report_is_shared_across_apply_tar_layer_calls(box: Box):
     report = FlattenReport()
-    apply_layer(box.layer(reg("a"), reg("b")), box.root, report=report)
-    apply_layer(box.layer(reg(".wh.a")), box.root, report=report)
+    apply_tar_layer(box.layer(reg("a"), reg("b")), box.root, report=report)
+    apply_tar_layer(box.layer(reg(".wh.a")), box.root, report=report)
     assert (report.layers, report.entries, report.whiteouts) == (2, 3, 1)
     assert_no_markers(box.root)
     assert tree(box.root) == {"b"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 
-from image_builder.store import Store
+from image_builder.store.store import Store
 from tests.conftest import ROOT
 from tests.test_store import Stack
 

@@ -12,10 +12,10 @@ from dataclasses import replace
 import pytest
 import zstandard
 
-from image_builder.cache import BlobCache, sha256_file
-from image_builder.manifest import ManifestError, Platform
-from image_builder.pull import pull
-from image_builder.registry import RegistryError, RegistryOptions
+from image_builder.oci.cache import BlobCache, sha256_file
+from image_builder.oci.manifest import ManifestError, Platform
+from image_builder.oci.pull import pull
+from image_builder.oci.registry import RegistryError, RegistryOptions
 from tests.conftest import run_cli
 from tests.support.oci import Entry, tar_bytes
 from tests.support.servers import Fault, FaultProxy, write_auth_file
@@ -41,7 +41,7 @@ def test_multi_layer_pull_verifies_and_caches_every_blob(registries, images, cac
 
 
 def test_pulled_layers_flatten_with_whiteouts(registries, images, cache, options, tmp_path):
-    from image_builder.layers import flatten
+    from image_builder.oci.layers import flatten
     img = pull(f"{registries.open.host}/test/multi:1", cache=cache, options=options, platform=AMD64)
     root = tmp_path / "root"
     flatten([layer.path for layer in img.layers], root)
@@ -237,7 +237,7 @@ def test_concurrent_pulls_share_one_verified_copy(registries, images, tmp_path):
 
 
 def test_rootfs_tarball_base_is_verified(proxy, cache, options, tmp_path):
-    from image_builder.layers import flatten
+    from image_builder.oci.layers import flatten
     data = zstandard.ZstdCompressor().compress(tar_bytes([Entry("etc/os-release", b"ID=test\n")]))
     proxy.files["rootfs.tar.zst"] = data
     digest = hashlib.sha256(data).hexdigest()

@@ -1,6 +1,6 @@
 import pytest
 
-from image_builder.reference import ReferenceError, parse
+from image_builder.oci.reference import ReferenceError, parse
 
 
 @pytest.mark.parametrize("text,registry,repo,tag,digest,api", [

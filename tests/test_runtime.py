@@ -26,14 +26,15 @@ from pathlib import Path
 
 import pytest
 
-from image_builder.bases import debian_rootfs
-from image_builder.execution import RunRequest, RunResult
-from image_builder.mounts import INIT_ENV
-from image_builder.cgroups import Cgroups
-from image_builder.apptainer import apptainer_command
-from image_builder.runtime import Backend, InstanceLayers, detect_backend, doctor
-from image_builder.sif import write_sif
-from image_builder.squashfs import SquashOptions, pack
+from image_builder.devtools.bases import debian_rootfs
+from image_builder.pack.sif import write_sif
+from image_builder.pack.squashfs import SquashOptions, pack
+from image_builder.runtime.apptainer import apptainer_command
+from image_builder.runtime.backends import detect_backend, doctor
+from image_builder.runtime.cgroups import Cgroups
+from image_builder.runtime.execution import RunRequest, RunResult
+from image_builder.runtime.mounts import INIT_ENV
+from image_builder.runtime.session import Backend, InstanceLayers
 
 ROOTFS_CACHE = Path.home() / ".cache" / "image_builder-tests"
 DRIVER = Path(__file__).parent / "support" / "runtime_driver.py"

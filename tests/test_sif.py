@@ -1,4 +1,4 @@
-"""image_builder.sif against siftool, squashfuse_ll and the kernel's squashfs."""
+"""image_builder.pack.sif against siftool, squashfuse_ll and the kernel's squashfs."""
 
 from __future__ import annotations
 
@@ -13,22 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from image_builder.sif import (
-    DATA_OFFSET,
-    DESCRIPTOR,
-    DESCRIPTORS_OFFSET,
-    DataType,
-    FsType,
-    PartType,
-    SifError,
-    arch_code,
-    env_script,
-    partition_offset,
-    read_sif,
-    write_sif,
-    write_singularity_env,
-)
-from image_builder.squashfs import SquashOptions
+from image_builder.pack.sif import (DATA_OFFSET, DESCRIPTOR, DESCRIPTORS_OFFSET, DataType, FsType, PartType, SifError,
+                                    arch_code, env_script, partition_offset, read_sif, write_sif, write_singularity_env)
+from image_builder.pack.squashfs import SquashOptions
 
 EPOCH = 1_700_000_000
 DEFFILE = "Bootstrap: docker\nFrom: python:3.12\n"

@@ -15,11 +15,11 @@ import yaml
 
 from image_builder.errors import ImageBuilderError
 from image_builder.graders import GradeResult, TaskStatus, load_predictions, load_tasks
-from image_builder.grading import merge_results, shard_predictions
-from image_builder.index import read_index
+from image_builder.graders.grading import merge_results, shard_predictions
 from image_builder.slurm import (Run, SbatchOptions, SlurmError, build_plan, drop_other_fragments, format_indices,
                                  parse_indices, write_run)
-from image_builder.store import remove_tree
+from image_builder.store.index import read_index
+from image_builder.store.store import remove_tree
 from tests.conftest import run_cli
 from tests.support.grader_data import MBPP_SOLUTIONS, MBPP_TASKS
 from tests.support.slurm_cluster import start_cluster

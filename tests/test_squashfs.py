@@ -1,4 +1,4 @@
-"""image_builder.squashfs against the real mksquashfs, unsquashfs and squashfuse_ll."""
+"""image_builder.pack.squashfs against the real mksquashfs, unsquashfs and squashfuse_ll."""
 
 from __future__ import annotations
 
@@ -9,13 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from image_builder.squashfs import (
-    SquashfsError,
-    SquashOptions,
-    mksquashfs_command,
-    pack,
-    read_superblock,
-)
+from image_builder.pack.squashfs import SquashfsError, SquashOptions, mksquashfs_command, pack, read_superblock
 
 EPOCH = 1_700_000_000
 

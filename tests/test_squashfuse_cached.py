@@ -1,4 +1,4 @@
-"""image_builder/native/squashfuse_cached (built by `make`) against Debian's squashfuse_ll:
+"""image_builder/runtime/native/squashfuse_cached (built by `make`) against Debian's squashfuse_ll:
 the same file system, rootless, but the kernel serves repeated opens, listings and
 symlinks from its caches."""
 
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from image_builder.mounts import SQUASHFUSE_ENV, squashfuse
-from image_builder.squashfs import SquashOptions, pack
+from image_builder.pack.squashfs import SquashOptions, pack
+from image_builder.runtime.mounts import SQUASHFUSE_ENV, squashfuse
 
 NOBODY = 65534
 CACHED = Path(sys.executable).parent / "squashfuse_cached"
@@ -179,7 +179,8 @@ def test_repeated_reads_are_served_by_the_kernel(image, tmp_path):
     assert plain["OPEN"] >= 3000 and plain["READDIR"] and plain["READLINK"], plain
     assert cached["OPEN"] == cached["OPENDIR"] == 0, cached
     again = sum(cached[op] for op in ("READ", "READDIR", "READLINK", "LOOKUP"))
-    assert again * 50 <= sum(plain[op] for op in ("OPEN", "OPENDIR", "READDIR", "READLINK")), cached
+    # 20x, not more: under the whole suite's load reclaim took 70 pages of 3,000 once.
+    assert again * 20 <= sum(plain[op] for op in ("OPEN", "OPENDIR", "READDIR", "READLINK")), cached
 
 
 def test_an_image_without_xattrs_lets_the_kernel_answer_xattr_queries(base, tmp_path):

@@ -14,14 +14,14 @@ import jsonschema
 import pytest
 import yaml
 
-from image_builder.catalog import load
-from image_builder.envbuild import BuildOptions
-from image_builder.cache import BlobCache
-from image_builder.index import read_index
-from image_builder.registry import RegistryOptions
-from image_builder.sif import partition_offset
-from image_builder.store import Store, UnknownInstance
-from image_builder.storebuild import StoreBuildOptions, build_store
+from image_builder.build.catalog import load
+from image_builder.build.envbuild import BuildOptions
+from image_builder.build.storebuild import StoreBuildOptions, build_store
+from image_builder.oci.cache import BlobCache
+from image_builder.oci.registry import RegistryOptions
+from image_builder.pack.sif import partition_offset
+from image_builder.store.index import read_index
+from image_builder.store.store import Store, UnknownInstance
 from tests.conftest import run_cli
 from tests.test_envbuild import write_catalog
 

@@ -1,9 +1,9 @@
 """Graders: run candidate code for benchmark tasks inside an instance and score it.
 
-Everything a grader runs goes through `image_builder.execution.Executor.run`
+Everything a grader runs goes through `image_builder.runtime.execution.Executor.run`
 (patching, writing files, running tests): graders never touch the host.
 
-    tasks.load_tasks(path)             verl parquet, JSONL, SWE-bench/ImpossibleBench JSONL
+    image_builder.tasks.load_tasks(path)  verl parquet, JSONL, SWE-bench/ImpossibleBench JSONL
     predictions.load_predictions(path) solutions, model patches, or raw responses
     grade.grade(task, solution, executor, options)           one GradeResult
     grade.grade_predictions(tasks, predictions, executor_for) many, in parallel
@@ -12,16 +12,19 @@ Everything a grader runs goes through `image_builder.execution.Executor.run`
 
 Graders by task kind: assert_cases (verl assert_case), stdio (stdin/stdout and
 call-based, LiveCodeBench comparison), swebench (repo tests). access holds
-ImpossibleBench's test-access modes.
+ImpossibleBench's test-access modes. grading.py runs them on a store's instances
+(StoreExecutors, resumable results files, shards); rewards.py is verl's reward function.
+
+May import: errors, tasks, store, runtime (execution and sessions only through grading.py).
 """
 
+from image_builder.tasks import AssertTask, BadTask, RepoTask, StdioTask, Task, load_tasks, parse_ground_truth
 from .access import TestAccess, candidate_feedback
 from .grade import grade, grade_prediction, grade_predictions
 from .impossible import QcVerdict, quality_check, quality_check_all, write_qc
 from .options import GradeOptions
 from .predictions import Prediction, extract_code, load_predictions
 from .results import CaseResult, CaseStatus, GradeResult, RepoReport, Summary, TaskStatus, summarize, write_jsonl
-from .tasks import AssertTask, BadTask, RepoTask, StdioTask, Task, load_tasks, parse_ground_truth
 
 __all__ = [
     "AssertTask", "BadTask", "CaseResult", "CaseStatus", "GradeOptions", "GradeResult", "Prediction", "QcVerdict",

@@ -9,12 +9,12 @@ Score: the fraction of cases passed, as verl's sandbox path scores them.
 
 from __future__ import annotations
 
-from image_builder.execution import Executor
+from image_builder.runtime.execution import Executor
 
+from image_builder.tasks import AssertTask
 from .options import GradeOptions
 from .pyharness import SCRATCH, harness_request, no_report_reason, process_failure, read_outcome
 from .results import CaseResult, CaseStatus, GradeResult, from_cases
-from .tasks import AssertTask
 
 CASE_FILE = f"{SCRATCH}/_ib_case.py"
 

@@ -1,4 +1,5 @@
-"""Errors a grader user can fix: unreadable task or prediction files, a missing executor."""
+"""Errors a grader user can fix: a missing executor or instance (unreadable task and
+prediction files are tasks.DatasetError)."""
 
 from __future__ import annotations
 

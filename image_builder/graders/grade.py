@@ -6,15 +6,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
 
 from image_builder.errors import ImageBuilderError
-from image_builder.execution import Executor
+from image_builder.runtime.execution import Executor
 
+from image_builder.tasks import AssertTask, BadTask, RepoTask, StdioTask, Task
 from .assert_cases import grade_asserts
 from .options import GradeOptions
 from .predictions import Prediction
 from .results import GradeResult, TaskStatus
 from .stdio import grade_stdio
 from .swebench import grade_repo
-from .tasks import AssertTask, BadTask, RepoTask, StdioTask, Task
 
 ExecutorFor = Callable[[Task], Executor]  # which instance a task runs in: the runtime decides
 

@@ -14,10 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from image_builder.tasks import RepoTask, Task
 from .grade import ExecutorFor, grade
 from .options import GradeOptions
 from .results import TaskStatus, write_jsonl
-from .tasks import RepoTask, Task
 
 EMPTY_SOLUTION = ""  # an empty script, or an empty patch
 

@@ -19,7 +19,7 @@ import secrets
 import signal
 from dataclasses import dataclass
 
-from image_builder.execution import RunRequest, RunResult
+from image_builder.runtime.execution import RunRequest, RunResult
 
 from .options import GradeOptions
 from .results import CaseStatus

@@ -16,12 +16,12 @@ from __future__ import annotations
 import json
 from decimal import Decimal, InvalidOperation
 
-from image_builder.execution import Executor, RunRequest
+from image_builder.runtime.execution import Executor, RunRequest
 
+from image_builder.tasks import StdioTask
 from .options import GradeOptions
 from .pyharness import SCRATCH, harness_request, last_line, no_report_reason, process_failure, read_outcome, tail
 from .results import CaseResult, CaseStatus, GradeResult, TaskStatus, from_cases
-from .tasks import StdioTask
 
 SOLUTION_FILE = f"{SCRATCH}/_ib_solution.py"
 CALL_FILE = f"{SCRATCH}/_ib_call.json"

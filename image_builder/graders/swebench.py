@@ -34,13 +34,13 @@ import secrets
 import shlex
 from dataclasses import dataclass
 
-from image_builder.execution import Executor, RunRequest, RunResult
+from image_builder.runtime.execution import Executor, RunRequest, RunResult
 
+from image_builder.tasks import RepoTask
 from .access import TestAccess, reverted_files
 from .options import GradeOptions
 from .patches import refused_path, target_paths, touched_paths
 from .results import GradeResult, RepoReport, TaskStatus
-from .tasks import RepoTask
 from .testlogs import TestStatus, junit_key, parse_junit, parse_pytest_log, parse_unittest_log
 
 GRADER_DIR = ".ib-grader"  # written into the workdir by the run, moved out before any patch is applied

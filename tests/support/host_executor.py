@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from image_builder.errors import ImageBuilderError
-from image_builder.execution import RunRequest, RunResult
+from image_builder.runtime.execution import RunRequest, RunResult
 
 # A uid of its own, not nobody: RLIMIT_NPROC counts every process of the uid, and other test
 # suites on the same host run as nobody.

@@ -1,9 +1,9 @@
-/* The cgroup side of image_builder/native/init.c, run on a directory the test fills like
+/* The cgroup side of image_builder/runtime/native/init.c, run on a directory the test fills like
    a cgroup v2 (or v1 pids) directory: this host's memory controller is on cgroup v1, so
    the v2 limits and verdict cannot be met for real here. Prints "MEMORY_IN_CGROUP OOM
    PEAK_KB" after setting the limits of a job (MEMORY_MB, 77 processes). */
 #define main init_main
-#include "../../image_builder/native/init.c"
+#include "../../image_builder/runtime/native/init.c"
 #undef main
 
 int main(int argc, char **argv) {

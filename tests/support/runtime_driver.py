@@ -21,8 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from image_builder.execution import RunRequest  # noqa: E402
-from image_builder.runtime import Backend, Bind, InstanceLayers, RunnerError, open_session  # noqa: E402
+from image_builder.runtime.backends import open_session  # noqa: E402
+from image_builder.runtime.execution import Bind, RunRequest  # noqa: E402
+from image_builder.runtime.mounts import RunnerError  # noqa: E402
+from image_builder.runtime.session import Backend, InstanceLayers  # noqa: E402
 
 
 def _request(r: dict) -> RunRequest:

@@ -27,7 +27,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding
 
-from image_builder.localregistry import CertPair
+from image_builder.devtools.localregistry import CertPair
 
 FORWARDED_REQUEST_HEADERS = ("Authorization", "Range", "Accept")
 FORWARDED_RESPONSE_HEADERS = ("Content-Type", "Content-Length", "Content-Range", "Docker-Content-Digest",

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from image_builder.localregistry import free_port
+from image_builder.devtools.localregistry import free_port
 
 # A binary of each Debian package, to tell whether the package is there.
 PACKAGES = {"munged": "munge", "slurmctld": "slurmctld", "slurmd": "slurmd", "sbatch": "slurm-client"}

@@ -1,0 +1,287 @@
+"""Catalogs: what a store holds, declared in YAML and validated before any work.
+
+    bases:                      # optional aliases, overridable on the command line
+      py311: docker.io/library/python:3.11-slim-bookworm
+    environments:
+      - name: mbpp-py311
+        base: py311             # an alias or an image reference
+        scripts: [python-venv.sh]          # from env_scripts/, run in order
+        env: {PYTHON_PACKAGES: "pytest"}  # given to the scripts
+        context: contexts/mbpp  # optional, read-only at /build in the sandbox
+    instances:
+      - id: mbpp-602
+        environment: mbpp-py311
+        script: instance.sh     # optional, from env_scripts/
+        env: {...}
+        files: {task/prompt.txt: files/602.txt}  # instance path -> file beside the catalog
+        workdir: /testbed
+        test_command: "pytest -q"
+        grader: {...}           # metadata kept in the index for graders
+
+Every error names the file and line, and what to do. This mirrors SWE-bench's
+split between the spec of an environment and the scripts made from it: the
+catalog is the spec, `env_scripts/` holds the scripts.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from image_builder.errors import ImageBuilderError
+from image_builder.oci.reference import ReferenceError, parse as parse_reference
+
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+DEFAULT_TIMEOUT = 3600.0
+
+
+class CatalogError(ImageBuilderError):
+    pass
+
+
+@dataclass(frozen=True)
+class Where:
+    file: Path
+    line: int
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+@dataclass(frozen=True)
+class EnvironmentSpec:
+    name: str
+    base: str  # an image reference or an https rootfs tarball URL
+    scripts: tuple[Path, ...]
+    env: dict[str, str]
+    context: Path | None
+    timeout: float  # seconds per script
+    where: Where
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    id: str
+    environment: str
+    script: Path | None
+    env: dict[str, str]
+    files: dict[str, Path | bytes]  # path inside the instance -> source file or content
+    workdir: str
+    test_command: str | None
+    grader: dict[str, Any]
+    timeout: float
+    where: Where
+    context: Path | None = None  # read-only at /build while the instance builds
+
+
+@dataclass(frozen=True)
+class Catalog:
+    path: Path
+    scripts_dir: Path
+    environments: dict[str, EnvironmentSpec]
+    instances: dict[str, InstanceSpec] = field(default_factory=dict)
+
+
+class _Node(dict):
+    """A mapping that remembers the line of each key, for error messages."""
+    line: int = 0
+    key_lines: dict
+
+
+class _Loader(yaml.SafeLoader):
+    def construct_mapping(self, node, deep=False):
+        mapping = _Node(super().construct_mapping(node, deep=True))
+        mapping.line = node.start_mark.line + 1
+        mapping.key_lines = {k.value: k.start_mark.line + 1 for k, _ in node.value if hasattr(k, "value")}
+        return mapping
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _Loader.construct_mapping)
+
+
+class _Checker:
+    def __init__(self, path: Path):
+        self.path = path
+
+    def fail(self, node: Any, key: str | None, what: str) -> CatalogError:
+        line = getattr(node, "key_lines", {}).get(key) or getattr(node, "line", 1)
+        return CatalogError(f"{self.path}:{line}: {what}")
+
+    def mapping(self, node: Any, where: str, allowed: set[str], required: set[str] = frozenset()) -> _Node:
+        if not isinstance(node, dict):
+            raise self.fail(node, None, f"{where} must be a mapping")
+        unknown = sorted(set(node) - allowed)
+        if unknown:
+            raise self.fail(node, unknown[0], f"{where}: unknown key {unknown[0]!r} "
+                                              f"(allowed: {', '.join(sorted(allowed))})")
+        for key in sorted(required - set(node)):
+            raise self.fail(node, None, f"{where}: missing required key {key!r}")
+        return node
+
+    def string(self, node: _Node, key: str, where: str, pattern: re.Pattern | None = None) -> str:
+        value = node.get(key)
+        if not isinstance(value, str) or not value.strip():
+            raise self.fail(node, key, f"{where}.{key} must be a non-empty string")
+        if pattern and not pattern.match(value):
+            raise self.fail(node, key, f"{where}.{key} {value!r} is not a valid name (letters, digits, . _ -)")
+        return value
+
+    def env(self, node: _Node, where: str) -> dict[str, str]:
+        value = node.get("env", {}) or {}
+        if not isinstance(value, dict):
+            raise self.fail(node, "env", f"{where}.env must be a mapping of NAME: value")
+        for k, v in value.items():
+            if not isinstance(k, str) or not ENV_NAME.match(k):
+                raise self.fail(value, k, f"{where}.env: {k!r} is not a valid variable name")
+            if not isinstance(v, (str, int, float, bool)):
+                raise self.fail(value, k, f"{where}.env.{k} must be a string or number")
+        return {k: str(v) for k, v in value.items()}
+
+    def timeout(self, node: _Node, where: str) -> float:
+        value = node.get("timeout", DEFAULT_TIMEOUT)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise self.fail(node, "timeout", f"{where}.timeout must be a positive number of seconds")
+        return float(value)
+
+    def context(self, catalog: Path, node: _Node, where: str) -> Path | None:
+        """A build context directory beside the catalog, or None."""
+        if node.get("context") is None:
+            return None
+        context = (catalog.parent / self.string(node, "context", where)).resolve()
+        if not context.is_dir():
+            raise self.fail(node, "context", f"{where}.context: no directory {context}")
+        return context
+
+    def script(self, scripts_dir: Path, node: _Node, key: str, name: Any, where: str) -> Path:
+        if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
+            raise self.fail(node, key, f"{where}: {name!r} is not a script name: name a file in {scripts_dir}")
+        path = scripts_dir / name
+        if not path.is_file():
+            available = ", ".join(sorted(p.name for p in scripts_dir.glob("*") if p.is_file())) or "none"
+            raise self.fail(node, key, f"{where}: no script {name!r} in {scripts_dir} (available: {available})")
+        return path
+
+
+def load(path: Path | str, *, scripts_dir: Path | None = None, bases: dict[str, str] | None = None) -> Catalog:
+    """Read and validate a catalog; `bases` overrides its `bases:` aliases."""
+    path = Path(path)
+    try:
+        doc = yaml.load(path.read_text(), Loader=_Loader)
+    except OSError as e:
+        raise CatalogError(f"{path}: cannot read catalog: {e.strerror}") from e
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        raise CatalogError(f"{path}:{mark.line + 1 if mark else 1}: not valid YAML: "
+                           f"{getattr(e, 'problem', e)}") from e
+    c = _Checker(path)
+    top = c.mapping(doc, "catalog", {"bases", "environments", "instances", "instance_sets", "scripts_dir"},
+                    {"environments"})
+    if scripts_dir is None:
+        scripts_dir = (path.parent / top.get("scripts_dir", "../env_scripts")).resolve()
+    aliases = dict(top.get("bases") or {})
+    if not isinstance(top.get("bases", {}) or {}, dict):
+        raise c.fail(top, "bases", "bases must be a mapping of alias: image reference")
+    aliases.update(bases or {})
+
+    environments: dict[str, EnvironmentSpec] = {}
+    envs = top.get("environments")
+    if not isinstance(envs, list) or not envs:
+        raise c.fail(top, "environments", "environments must be a non-empty list")
+    for i, node in enumerate(envs):
+        where = f"environments[{i}]"
+        c.mapping(node, where, {"name", "base", "scripts", "env", "context", "timeout"}, {"name", "base", "scripts"})
+        name = c.string(node, "name", where, NAME)
+        if name in environments:
+            raise c.fail(node, "name", f"{where}: duplicate environment name {name!r} "
+                                       f"(first at line {environments[name].where.line})")
+        base = aliases.get(c.string(node, "base", where), node["base"])
+        if not base.startswith("https://"):
+            try:
+                parse_reference(base)
+            except ReferenceError as e:
+                raise c.fail(node, "base", f"{where}.base: {e}") from e
+        scripts = node["scripts"]
+        if isinstance(scripts, str):
+            scripts = [scripts]
+        if not isinstance(scripts, list) or not scripts:
+            raise c.fail(node, "scripts", f"{where}.scripts must be a non-empty list of script names")
+        environments[name] = EnvironmentSpec(
+            name, base, tuple(c.script(scripts_dir, node, "scripts", s, where) for s in scripts),
+            c.env(node, where), c.context(path, node, where), c.timeout(node, where), Where(path, node.line))
+
+    instances: dict[str, InstanceSpec] = {}
+    for i, node in enumerate(top.get("instances") or []):
+        where = f"instances[{i}]"
+        c.mapping(node, where, {"id", "environment", "script", "env", "files", "workdir", "test_command",
+                                "grader", "timeout", "context"}, {"id", "environment"})
+        iid = c.string(node, "id", where, NAME)
+        if iid in instances:
+            raise c.fail(node, "id", f"{where}: duplicate instance id {iid!r} (first at line {instances[iid].where.line})")
+        env_name = c.string(node, "environment", where)
+        if env_name not in environments:
+            raise c.fail(node, "environment", f"{where}: unknown environment {env_name!r} "
+                                              f"(declared: {', '.join(environments)})")
+        script = c.script(scripts_dir, node, "script", node["script"], where) if node.get("script") else None
+        files = node.get("files") or {}
+        if not isinstance(files, dict):
+            raise c.fail(node, "files", f"{where}.files must map instance paths to files beside the catalog")
+        resolved = {}
+        for dest, src in files.items():
+            src_path = (path.parent / str(src)).resolve()
+            if not src_path.exists():
+                raise c.fail(files, dest, f"{where}.files.{dest}: no file {src_path}")
+            resolved[str(dest).lstrip("/")] = src_path
+        grader = node.get("grader") or {}
+        if not isinstance(grader, dict):
+            raise c.fail(node, "grader", f"{where}.grader must be a mapping")
+        test_command = node.get("test_command")
+        if test_command is not None and not isinstance(test_command, str):
+            raise c.fail(node, "test_command", f"{where}.test_command must be a string")
+        instances[iid] = InstanceSpec(iid, env_name, script, c.env(node, where), resolved,
+                                      str(node.get("workdir", "/")), test_command, dict(grader),
+                                      c.timeout(node, where), Where(path, node.line), c.context(path, node, where))
+    for i, node in enumerate(top.get("instance_sets") or []):
+        for spec in _instance_set(c, path, scripts_dir, node, f"instance_sets[{i}]", environments):
+            if spec.id in instances:
+                raise c.fail(node, "from", f"instance_sets[{i}]: instance {spec.id!r} is already declared "
+                                           f"(line {instances[spec.id].where.line})")
+            instances[spec.id] = spec
+    return Catalog(path, scripts_dir, environments, instances)
+
+
+def _instance_set(c: _Checker, path: Path, scripts_dir: Path, node: Any, where: str,
+                  environments: dict[str, EnvironmentSpec]) -> list[InstanceSpec]:
+    """One instance per task of a dataset file (see datasets.py)."""
+    from image_builder.errors import ImageBuilderError as _Err
+    from .datasets import drafts, fill
+    c.mapping(node, where, {"from", "environment", "script", "env", "context", "workdir", "test_command",
+                            "timeout"}, {"from", "environment"})
+    source = (path.parent / c.string(node, "from", where)).resolve()
+    try:
+        found, bad = drafts(source)
+    except _Err as e:
+        raise c.fail(node, "from", f"{where}.from: {e}") from e
+    if bad:
+        raise c.fail(node, "from", f"{where}.from: {len(bad)} tasks cannot be instances, first: {bad[0]}")
+    script = c.script(scripts_dir, node, "script", node["script"], where) if node.get("script") else None
+    context = c.context(path, node, where)
+    env_template, env_vars = c.string(node, "environment", where), c.env(node, where)
+    specs = []
+    for d in found:
+        try:
+            env_name = fill(env_template, d.fields)
+            env = {k: fill(v, d.fields) for k, v in env_vars.items()}
+            test_command = fill(node["test_command"], d.fields) if node.get("test_command") else None
+        except KeyError as e:
+            raise c.fail(node, "environment", f"{where}: {e.args[0]}") from None
+        if env_name not in environments:
+            raise c.fail(node, "environment", f"{where}: task {d.id} needs environment {env_name!r}, "
+                                              f"which the catalog does not declare")
+        specs.append(InstanceSpec(d.id, env_name, script, env, dict(d.files), str(node.get("workdir", "/")),
+                                  test_command, d.grader, c.timeout(node, where), Where(path, node.line), context))
+    return specs

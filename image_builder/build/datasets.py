@@ -1,0 +1,69 @@
+"""Instances from datasets: one instance per task of a verl parquet or SWE-bench JSONL.
+
+A catalog's `instance_sets` entry names a dataset file and how its tasks map
+to instances; string values may use `{field}` templates over the task
+(`{instance_id}`, `{repo}`, `{repo_name}`, `{base_commit}`, `{version}`,
+`{task_id}`). ImpossibleBench variants share the instance of the task they
+were made from (same repository state; their tests differ only at grading).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from image_builder.tasks import AssertTask, BadTask, RepoTask, StdioTask, load_tasks
+
+
+@dataclass(frozen=True)
+class InstanceDraft:
+    """What a dataset task contributes to an instance; the catalog adds the rest."""
+    id: str
+    fields: dict[str, str]  # template fields
+    files: dict[str, bytes]
+    grader: dict
+
+
+def _repo_draft(task: RepoTask) -> InstanceDraft:
+    fields = {"instance_id": task.original_id, "repo": task.repo, "repo_name": task.repo.rsplit("/", 1)[-1],
+              "base_commit": task.base_commit, "version": task.version, "task_id": task.original_id}
+    grader = {"kind": "swebench", "repo": task.repo, "base_commit": task.base_commit, "version": task.version,
+              "test_cmd": task.test_cmd, "FAIL_TO_PASS": list(task.fail_to_pass),
+              "PASS_TO_PASS": list(task.pass_to_pass)}
+    return InstanceDraft(task.original_id, fields, {}, grader)
+
+
+def _case_draft(task: AssertTask | StdioTask) -> InstanceDraft:
+    if isinstance(task, AssertTask):
+        tests = {"assert_case": list(task.cases)}
+        kind = "assert_case"
+    else:
+        tests = {"inputs": list(task.inputs), "outputs": list(task.outputs),
+                 **({"fn_name": task.fn_name} if task.fn_name else {})}
+        kind = "stdio"
+    # The tests sit in the instance's read-only layer: candidate code cannot edit them.
+    files = {"task/tests.json": json.dumps(tests, indent=1).encode()}
+    return InstanceDraft(task.original_id, {"task_id": task.original_id}, files,
+                         {"kind": kind, "cases": len(tests.get("assert_case", tests.get("inputs", [])))})
+
+
+def drafts(path: Path) -> tuple[list[InstanceDraft], list[str]]:
+    """(one draft per original task, reasons for the tasks that cannot become instances)."""
+    out: dict[str, InstanceDraft] = {}
+    bad = []
+    for task in load_tasks(path):
+        if isinstance(task, BadTask):
+            bad.append(f"{task.task_id}: {task.reason}")
+        elif task.original_id not in out:  # variants map to their original's instance
+            out[task.original_id] = _repo_draft(task) if isinstance(task, RepoTask) else _case_draft(task)
+    return list(out.values()), bad
+
+
+def fill(template: str, fields: dict[str, str]) -> str:
+    """`{field}` substitution that reports a missing field by name."""
+    try:
+        return template.format(**fields)
+    except KeyError as e:
+        raise KeyError(f"template {template!r} uses {{{e.args[0]}}}, which this dataset's tasks do not have "
+                       f"(they have: {', '.join(sorted(fields))})") from None

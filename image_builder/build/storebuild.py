@@ -1,0 +1,275 @@
+"""Building a whole store: environments first, then instances, N at a time.
+
+One failure does not stop the rest (unless fail_fast). Every item is built
+under its own file lock, so two builds of one store cooperate instead of
+corrupting it: the second waits for an item, then finds it up to date.
+Finished items are recorded beside their files (`envs/<name>.json`,
+`instances/<id>.json`), so a build killed at any point resumes where it
+stopped; the index is written last, from what is finished and verified.
+With `--shard K/N` a build writes an index fragment that `merge_fragments`
+combines, for cluster admins splitting a store over a job array. Shards build
+the environments their instances need, each starting from a different one, so
+they build distinct environments at once and wait for the rest; with an
+`attempt` id (a Slurm array job's), an environment whose build failed in one
+shard is not tried again by the others of the same attempt.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import time
+from collections.abc import Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from image_builder.errors import ImageBuilderError
+from image_builder.oci.cache import sha256_file
+from image_builder.store.files import atomic_write
+from image_builder.store.index import (EnvRecord, Index, IndexError_, InstanceRecord, parse_index, read_index,
+                                       write_index)
+from image_builder.store.store import StorePaths, remove_dead_work
+from .catalog import Catalog, EnvironmentSpec, InstanceSpec
+from .envbuild import BuildFailed, BuildOptions, EnvBuild, build_environment
+from .instances import InstanceBuild, build_instance
+
+FRAGMENTS_DIR = "index.d"
+
+
+@dataclass(frozen=True)
+class StoreBuildOptions:
+    build: BuildOptions  # store, cache, registry, backend, squash, verbose, force
+    jobs: int = 2
+    only: frozenset[str] = frozenset()  # instance ids or environment names
+    shard: tuple[int, int] | None = None  # (k, n): instances k, k+n, k+2n, ... in id order
+    fail_fast: bool = False
+    environments_only: bool = False
+    attempt: str | None = None  # shared by the shards of one submission (see the module docstring)
+
+
+@dataclass(frozen=True)
+class ItemResult:
+    kind: str  # environment | instance
+    name: str
+    status: str  # built | up to date | failed | skipped
+    seconds: float = 0.0
+    size: int = 0
+    message: str = ""
+    log: str | None = None
+    tail: tuple[str, ...] = ()  # last lines of a failed script's log
+
+
+@dataclass
+class BuildSummary:
+    results: list[ItemResult] = field(default_factory=list)
+    seconds: float = 0.0
+    index: Path | None = None
+
+    @property
+    def failed(self) -> list[ItemResult]:
+        return [r for r in self.results if r.status == "failed"]
+
+    def count(self, kind: str, status: str) -> int:
+        return sum(1 for r in self.results if r.kind == kind and r.status == status)
+
+
+class Reporter(Protocol):
+    def start(self, kind: str, name: str) -> None: ...
+    def done(self, result: ItemResult) -> None: ...
+
+
+class SilentReporter:
+    def start(self, kind, name): pass
+    def done(self, result): pass
+
+
+@contextmanager
+def item_lock(store: Path, name: str) -> Iterator[None]:
+    locks = store / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / f"{name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def select(catalog: Catalog, only: frozenset[str], shard: tuple[int, int] | None, environments_only: bool = False
+           ) -> tuple[list[EnvironmentSpec], list[InstanceSpec]]:
+    unknown = sorted(only - set(catalog.environments) - set(catalog.instances))
+    if unknown:
+        raise ImageBuilderError(f"--only {unknown[0]!r}: no such environment or instance in {catalog.path}")
+    instances = [catalog.instances[i] for i in sorted(catalog.instances)]
+    if only:
+        instances = [i for i in instances if i.id in only or i.environment in only]
+    if shard:
+        k, n = shard
+        instances = [inst for pos, inst in enumerate(instances) if pos % n == k]
+    wanted = {i.environment for i in instances} | (only & set(catalog.environments))
+    if not only and (not shard or shard[0] == 0):
+        # A full build has the environments no instance uses, so the N shards together do too: shard 0 builds them.
+        wanted |= set(catalog.environments) - {i.environment for i in catalog.instances.values()}
+    envs = [catalog.environments[n] for n in catalog.environments if n in wanted]
+    if shard and envs:  # shard k starts k environments further on: concurrent shards build different ones
+        start = shard[0] % len(envs)
+        envs = envs[start:] + envs[:start]
+    return envs, [] if environments_only else instances
+
+
+def drop_if_corrupt(sif: Path) -> None:
+    """A .sif whose bytes no longer match its record is removed, so the build makes it again."""
+    try:
+        old = json.loads(sif.with_suffix(".json").read_text())
+        st = sif.stat()
+    except (OSError, ValueError):
+        return
+    if (st.st_size, st.st_mtime_ns) != (old.get("size"), old.get("mtime_ns")) and sha256_file(sif) != old.get("sha256"):
+        sif.unlink()
+
+
+def _env_record(paths: StorePaths, build: EnvBuild) -> EnvRecord:
+    """The index record, hashing the .sif only when it changed since the last record."""
+    sidecar = build.sif.with_suffix(".json")
+    st = build.sif.stat()
+    try:
+        old = json.loads(sidecar.read_text())
+        if old["build_key"] == build.build_key and old["size"] == st.st_size and old["mtime_ns"] == st.st_mtime_ns:
+            digest, built_at = old["sha256"], old["built_at"]
+        else:
+            raise ValueError
+    except (OSError, ValueError, KeyError):
+        digest, built_at = sha256_file(build.sif), int(st.st_mtime)
+        doc = {"build_key": build.build_key, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest,
+               "built_at": built_at}
+        atomic_write(sidecar, lambda f: f.write(json.dumps(doc).encode()))
+    return EnvRecord(build.name, paths.relative(build.sif), digest, st.st_size, build.base, build.base_digest,
+                     build.build_key, built_at, build.env)
+
+
+def _instance_record(paths: StorePaths, spec: InstanceSpec, build: InstanceBuild) -> InstanceRecord:
+    return InstanceRecord(spec.id, spec.environment, paths.relative(build.sqfs) if build.sqfs else None,
+                          build.sha256, build.size, build.build_key, spec.workdir, spec.test_command, spec.grader)
+
+
+def _failure(kind: str, name: str, t0: float, e: Exception) -> ItemResult:
+    if isinstance(e, BuildFailed):
+        return ItemResult(kind, name, "failed", time.monotonic() - t0, message=str(e),
+                          log=str(e.log) if e.log else None, tail=e.tail)
+    return ItemResult(kind, name, "failed", time.monotonic() - t0, message=f"{kind} {name}: {e}")
+
+
+def build_store(catalog: Catalog, opts: StoreBuildOptions, reporter: Reporter = SilentReporter()) -> BuildSummary:
+    t0 = time.monotonic()
+    store = opts.build.store
+    paths = StorePaths(store)
+    store.mkdir(parents=True, exist_ok=True)
+    remove_dead_work(store)
+    envs, instances = select(catalog, opts.only, opts.shard, opts.environments_only)
+    summary = BuildSummary()
+    env_builds: dict[str, EnvBuild] = {}
+    env_records: dict[str, EnvRecord] = {}
+    inst_records: dict[str, InstanceRecord] = {}
+    stop = False
+
+    def build_env(spec: EnvironmentSpec) -> ItemResult:
+        start = time.monotonic()
+        reporter.start("environment", spec.name)
+        try:
+            with item_lock(store, f"env-{spec.name}"):
+                failed_in = store / "locks" / f"env-{spec.name}.failed"
+                if opts.attempt and failed_in.exists() and failed_in.read_text() == opts.attempt:
+                    raise ImageBuilderError(f"its build failed in another shard of this submission; log: "
+                                            f"{paths.env_logs(spec.name)}")
+                drop_if_corrupt(paths.env_sif(spec.name))
+                try:
+                    build = build_environment(spec, opts.build)
+                except BuildFailed:
+                    if opts.attempt:
+                        failed_in.write_text(opts.attempt)
+                    raise
+                failed_in.unlink(missing_ok=True)
+                env_records[spec.name] = _env_record(paths, build)
+            env_builds[spec.name] = build
+            return ItemResult("environment", spec.name, "built" if build.built else "up to date",
+                              time.monotonic() - start, env_records[spec.name].size)
+        except ImageBuilderError as e:
+            return _failure("environment", spec.name, start, e)
+
+    def build_inst(spec: InstanceSpec) -> ItemResult:
+        start = time.monotonic()
+        env = env_builds.get(spec.environment)
+        if env is None or stop:
+            why = "stopped after a failure (--fail-fast)" if stop else f"environment {spec.environment} failed"
+            return ItemResult("instance", spec.id, "skipped", message=why)
+        reporter.start("instance", spec.id)
+        try:
+            with item_lock(store, f"inst-{spec.id}"):
+                build = build_instance(spec, env, store, backend=opts.build.backend, squash=opts.build.squash,
+                                       verbose=opts.build.verbose, force=opts.build.force)
+            inst_records[spec.id] = _instance_record(paths, spec, build)
+            return ItemResult("instance", spec.id, "built" if build.built else "up to date",
+                              time.monotonic() - start, build.size)
+        except ImageBuilderError as e:
+            return _failure("instance", spec.id, start, e)
+
+    try:
+        for work, items in ((build_env, envs), (build_inst, instances)):
+            with ThreadPoolExecutor(max_workers=max(1, opts.jobs)) as pool:
+                pending: set[Future] = {pool.submit(work, item) for item in items}
+                while pending:
+                    finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                    for fut in finished:
+                        result = fut.result()
+                        summary.results.append(result)
+                        reporter.done(result)
+                        if result.status == "failed" and opts.fail_fast:
+                            stop = True
+    finally:  # also on Ctrl-C: record what is finished
+        summary.index = _update_index(store, catalog, opts, env_records, inst_records)
+        summary.seconds = time.monotonic() - t0
+    return summary
+
+
+def _update_index(store: Path, catalog: Catalog, opts: StoreBuildOptions, envs: dict[str, EnvRecord],
+                  instances: dict[str, InstanceRecord]) -> Path:
+    if opts.shard:
+        k, n = opts.shard
+        dest = store / FRAGMENTS_DIR / f"shard-{k}-of-{n}.json"
+        dest.parent.mkdir(exist_ok=True)
+        text = json.dumps(Index(envs, instances).to_json(), indent=1, sort_keys=True)
+        atomic_write(dest, lambda f: f.write(text.encode()))
+        return dest
+    with item_lock(store, "index"):
+        try:
+            current = read_index(store) if (store / "index.json").exists() else Index({}, {})
+        except IndexError_:
+            current = Index({}, {})  # unreadable: rebuilt from what this build knows
+        # Items that failed this time keep their last verified build; new builds replace theirs.
+        envs = {**current.environments, **envs}
+        instances = {**current.instances, **instances}
+        if not opts.only:  # a full build: nothing the catalog no longer declares
+            envs = {k: v for k, v in envs.items() if k in catalog.environments}
+            instances = {k: v for k, v in instances.items() if k in catalog.instances}
+        instances = {k: v for k, v in instances.items() if v.environment in envs}
+        return write_index(store, Index(envs, instances))
+
+
+def merge_fragments(store: Path) -> tuple[Path, int]:
+    """Combine the shards' index fragments into index.json; returns (path, fragments merged)."""
+    fragments = sorted((store / FRAGMENTS_DIR).glob("shard-*.json"))
+    if not fragments:
+        raise ImageBuilderError(f"{store / FRAGMENTS_DIR}: no index fragments to merge; build with --shard K/N first")
+    envs: dict[str, EnvRecord] = {}
+    instances: dict[str, InstanceRecord] = {}
+    for frag in fragments:
+        index = parse_index(json.loads(frag.read_text()), str(frag))
+        envs.update(index.environments)
+        instances.update(index.instances)
+    with item_lock(store, "index"):
+        return write_index(store, Index(envs, instances)), len(fragments)
+
+
+def to_json(summary: BuildSummary) -> dict:
+    return {"seconds": summary.seconds, "index": str(summary.index) if summary.index else None,
+            "results": [asdict(r) for r in summary.results]}

@@ -1,0 +1,148 @@
+"""Grading against a store: every task runs in its own instance, through the runtime.
+
+A task maps to the instance built for it (ImpossibleBench variants to their
+original task's instance); each instance is mounted once and its session
+reused for every run, so thousands of short runs pay for the mounts once.
+Results stream to a JSONL file as they finish, and a rerun skips what the file
+already holds, so an interrupted grading run resumes where it stopped.
+
+Across nodes, `shard_predictions` splits a run by instance (so each instance
+is mounted on one node) and `merge_results` joins the shards' files into one,
+in the predictions' order, with its summary.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from image_builder.errors import ImageBuilderError
+from image_builder.runtime.backends import open_session
+from image_builder.runtime.execution import Executor
+from image_builder.runtime.session import Backend, InstanceLayers, Session
+from image_builder.store.files import atomic_write
+from image_builder.store.store import Store
+from image_builder.tasks import Task
+from .grade import grade_prediction
+from .options import GradeOptions
+from .predictions import Prediction
+from .results import GradeResult, Summary, summarize
+
+
+def instance_of(task: Task) -> str:
+    """The instance a task runs in: ImpossibleBench variants use their original task's."""
+    return getattr(task, "original_id", task.task_id)
+
+
+class StoreExecutors:
+    """`executor_for(task)` backed by a store: one warm session per instance, shared by threads."""
+
+    def __init__(self, store: Store, *, backend: Backend | None = None):
+        self.store, self.backend = store, backend
+        self._sessions: dict[str, Session] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, task: Task) -> Executor:
+        return self.for_instance(instance_of(task))
+
+    def for_instance(self, instance_id: str) -> Executor:
+        with self._lock:
+            if instance_id not in self._sessions:
+                r = self.store.resolve(instance_id)
+                self._sessions[instance_id] = open_session(InstanceLayers(r.env_sif, r.overlays, r.env, r.workdir),
+                                                           backend=self.backend)
+            return self._sessions[instance_id]
+
+    def close(self) -> None:
+        with self._lock:
+            for session in self._sessions.values():
+                session.close()
+            self._sessions.clear()
+
+    def __enter__(self) -> StoreExecutors:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_results(output: Path) -> list[GradeResult]:
+    """The results a file holds (a line cut short by a crash is skipped)."""
+    out = []
+    for line in output.read_text().splitlines() if output.exists() else ():
+        try:
+            out.append(GradeResult.from_dict(json.loads(line)))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def grade_to_file(tasks: Iterable[Task], predictions: list[Prediction], executor_for: Callable[[Task], Executor],
+                  output: Path, *, options: GradeOptions = GradeOptions(), workers: int = 2,
+                  on_result: Callable[[GradeResult], None] = lambda r: None) -> int:
+    """Grade what `output` does not hold yet, appending each result as it finishes; returns how many ran."""
+    by_id = {t.task_id: t for t in tasks}
+    done = {r.task_id for r in read_results(output)}
+    todo = [p for p in predictions if p.task_id not in done]
+    output.parent.mkdir(parents=True, exist_ok=True)
+    _drop_partial_line(output)
+    lock = threading.Lock()
+    with open(output, "a") as out, ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        def one(prediction: Prediction) -> None:
+            result = grade_prediction(prediction, by_id, executor_for, options)
+            with lock:
+                out.write(json.dumps(result.to_dict()) + "\n")
+                out.flush()
+                on_result(result)
+        list(pool.map(one, todo))
+    return len(todo)
+
+
+def _drop_partial_line(output: Path) -> None:
+    """A run killed mid-write leaves half a line: cut it so appends start clean."""
+    if output.exists():
+        data = output.read_bytes()
+        if data and not data.endswith(b"\n"):
+            output.write_bytes(data[: data.rfind(b"\n") + 1])
+
+
+def shard_predictions(predictions: list[Prediction], tasks: Iterable[Task], shard: tuple[int, int]
+                      ) -> list[Prediction]:
+    """Shard K of N: the predictions of instances K, K+N, K+2N, ... in instance id order, so every
+    prediction of one instance lands in one shard and the instance is mounted once."""
+    k, n = shard
+    by_id = {t.task_id: instance_of(t) for t in tasks}
+    keys = sorted({by_id.get(p.task_id, p.task_id) for p in predictions})
+    mine = {key for pos, key in enumerate(keys) if pos % n == k}
+    return [p for p in predictions if by_id.get(p.task_id, p.task_id) in mine]
+
+
+def summary_path(output: Path) -> Path:
+    """Where a results file's summary goes: results.jsonl -> results.summary.json."""
+    return output.with_name(f"{output.stem}.summary.json")
+
+
+def write_summary(results: Iterable[GradeResult], output: Path) -> Summary:
+    summary = summarize(results)
+    atomic_write(summary_path(output), lambda f: f.write(json.dumps(summary.to_dict(), indent=2).encode() + b"\n"))
+    return summary
+
+
+def merge_results(parts: Iterable[Path], predictions: list[Prediction], output: Path) -> Summary:
+    """One results file from the shards' files, in the predictions' order, and its summary; refuses to publish
+    while a prediction has no result (a shard failed or was not run)."""
+    found: dict[str, GradeResult] = {}
+    for part in parts:
+        found.update((r.task_id, r) for r in read_results(part))
+    wanted = list(dict.fromkeys(p.task_id for p in predictions))
+    missing = [task_id for task_id in wanted if task_id not in found]
+    if missing:
+        raise ImageBuilderError(f"{len(missing)} predictions have no result in the shards' files (first: "
+                                f"{missing[0]!r}); run or resubmit the shards that failed, then merge again")
+    results = [found[task_id] for task_id in wanted]
+    output.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(output, lambda f: f.writelines(json.dumps(r.to_dict()).encode() + b"\n" for r in results))
+    return write_summary(results, output)

@@ -1,0 +1,296 @@
+"""kernel and userns: sessions on the per-user mount holder (holder.py, on the
+primitives of mounts.py). The holder keeps each layer mounted once, and runs are handed
+to inits (native/init.c) whose root is already built.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import sys
+import time
+from pathlib import Path
+
+from .cgroups import locate_cgroups, start_join_grace_period
+from .execution import Bind, RunRequest, RunResult
+from .holder import IDLE_INIT, encode_job, job_message, recv_fds, run_joined, send_fds
+from .mounts import RootSpec, RunnerError
+from .session import Backend, InstanceLayers, Session, build_job, build_result, collect, stdin_fd
+
+_REPORT_GRACE = 30.0  # seconds past a run's timeout before its silence is an error
+
+
+def holder_name(state_dir: Path, kernel: bool) -> str:
+    """The holder's abstract socket name: per user, state dir, backend and interpreter
+    (messages are marshal). An abstract socket vanishes with its process: a dead holder
+    leaves no socket file behind."""
+    import zlib
+
+    key = f"{os.path.realpath(state_dir)}:{sys.version}:{'kernel' if kernel else 'userns'}"
+    return f"image-builder-{os.getuid()}-{zlib.crc32(key.encode()):08x}-{'kernel' if kernel else 'userns'}"
+
+
+def _connect(name: str) -> socket.socket:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        conn.connect(b"\0" + name.encode())
+        uid = _peer(conn)[1]
+    except OSError:
+        conn.close()
+        raise
+    if uid != os.getuid():
+        conn.close()
+        raise RunnerError(f"the holder socket @{name} belongs to uid {uid}, not to us; use another state_dir")
+    return conn
+
+
+def _peer(conn: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end."""
+    return struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+
+
+def _start_holder(state_dir: Path, kernel: bool, name: str) -> None:
+    import subprocess
+
+    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    cgroups = locate_cgroups()
+    if cgroups:
+        start_join_grace_period(cgroups[0])
+    root = str(Path(__file__).resolve().parents[2])
+    # -S: no site-packages scan; the holder needs the standard library and this package only.
+    boot = f"import sys; sys.path[:0] = [{root!r}]; from image_builder.runtime.holder import holder_main; " \
+           "holder_main(sys.argv[1:])"
+    with open(state_dir / "holder.log", "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-S", "-E", "-c", boot, "kernel" if kernel else "userns",
+                                 str(state_dir), name], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=log, start_new_session=True, cwd="/")
+    line = proc.stdout.readline().decode(errors="replace").strip()
+    proc.stdout.close()
+    proc.wait()
+    if not line or line.startswith("error:"):
+        why = line[6:].strip() if line else f"it died; see {state_dir}/holder.log"
+        raise RunnerError(f"cannot start the mount holder: {why}; run `image-builder doctor`")
+
+
+def _unpacked(cache: Path, env_sif: Path, offset: int):
+    """The environment's squashfs unpacked under `cache` (once per image), held (see
+    extract.ExtractedLayer) until released."""
+    from .extract import extracted_layer
+
+    layer = extracted_layer(cache, env_sif, offset)
+    if layer.listing.whiteouts or layer.listing.opaque:  # a flattened environment has none; overlays need them
+        layer.release()
+        raise RunnerError(f"{env_sif} holds overlay whiteouts: it cannot be used unpacked; drop unpack_dir")
+    return layer
+
+
+def _open_on_holder(state_dir: Path, kernel: bool, msg: dict) -> tuple[socket.socket, dict]:
+    """Send a session's open to the holder (started if none runs): its connection and reply."""
+    name = holder_name(state_dir, kernel)
+    for _attempt in range(3):
+        try:
+            conn = _connect(name)
+        except (ConnectionRefusedError, FileNotFoundError):
+            _start_holder(state_dir, kernel, name)
+            continue
+        try:
+            send_fds(conn, msg)
+            reply = recv_fds(conn, 0)[0]
+        except OSError:
+            reply = None
+        if reply is None:  # it was just leaving: start another
+            conn.close()
+            continue
+        if "error" in reply:
+            conn.close()
+            raise RunnerError(f"cannot mount the instance: {reply['error']}")
+        return conn, reply
+    raise RunnerError(f"cannot reach the mount holder; see {state_dir}/holder.log")
+
+
+class HolderSession(Session):
+    """kernel and userns: the layers are mounted by the per-user holder (holder.py). The
+    session keeps spare inits (one per run in flight), asked for ahead of need, so a
+    run only sends its job to a ready init and reads the answer."""
+
+    def __init__(self, layers: InstanceLayers, backend: Backend, state_dir: Path, binds: tuple[Bind, ...],
+                 max_processes: int, linger: float, scratch_mb: int | None, unpack_dir: Path | None):
+        import threading
+
+        from image_builder.pack.sif import SifError, partition_offset
+
+        super().__init__(layers, max_processes)
+        self.backend = backend
+        self._kernel = backend is Backend.KERNEL
+        try:
+            offset, size = partition_offset(layers.env_sif)
+        except SifError as e:
+            raise RunnerError(str(e)) from None
+        refs = [(str(Path(layers.env_sif).resolve()), offset, size)]
+        for o in layers.overlays:
+            if not os.access(o, os.R_OK):
+                raise RunnerError(f"cannot read instance layer {o}; check the path and its permissions")
+            refs.append((str(Path(o).resolve()), 0, 0))
+        for b in binds:
+            if not os.path.exists(b.src):
+                raise RunnerError(f"bind source {b.src} does not exist; create it or drop the bind")
+        unpacked = None
+        if unpack_dir is not None and not self._kernel:
+            unpacked = _unpacked(Path(unpack_dir), Path(layers.env_sif), offset)
+            refs[0] = (str(unpacked.tree), 0, -1)
+        msg = {"op": "open", "layers": refs, "linger": float(linger), "scratch_mb": scratch_mb,
+               "binds": [(str(Path(b.src).resolve()), b.dest, b.readonly) for b in binds]}
+        try:
+            conn, reply = _open_on_holder(state_dir, self._kernel, msg)
+        finally:
+            if unpacked is not None:
+                unpacked.release()  # the holder holds the tree from its mount on
+        self._conn = conn
+        self._spec = reply["spec"]
+        self._holder_pid = _peer(conn)[0]
+        self._lock = threading.Lock()
+        self._ready: dict[bool, list[tuple[float, socket.socket]]] = {False: [], True: []}  # (received, init)
+        self._asked = {False: 0, True: 0}
+        self._busy = {False: 0, True: 0}
+        # Inits whose last run left their root untouched, by (network, memory limit): the limits a
+        # job sets on its init cannot be raised again, so an init only takes jobs like its first.
+        self._reused: dict[tuple[bool, int | None], list[tuple[float, socket.socket]]] = {}
+        with self._lock:
+            self._ask(False)  # the first init gets ready while the caller prepares its run
+
+    # -- spare inits (all under self._lock) --
+
+    def _ask(self, network: bool) -> None:
+        send_fds(self._conn, {"op": "init", "network": network})
+        self._asked[network] += 1
+
+    def _receive(self, block: bool) -> bool:
+        try:
+            reply, fds = recv_fds(self._conn, 1, 0 if block else socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        if reply is None:
+            raise RunnerError("the mount holder is gone (killed?); open a new session")
+        self._asked[reply["network"]] -= 1
+        if "error" in reply:
+            raise RunnerError(f"cannot prepare a run: {reply['error']}")
+        self._ready[reply["network"]].append((time.monotonic(), socket.socket(fileno=fds[0])))
+        return True
+
+    def _take(self, network: bool) -> socket.socket:
+        with self._lock:
+            if self._conn is None:
+                raise RunnerError("the session is closed; open a new one")
+            while self._receive(block=False):
+                pass
+            ready = self._ready[network]
+            while ready and time.monotonic() - ready[0][0] > IDLE_INIT / 2:  # it leaves soon: not for a run
+                ready.pop(0)[1].close()
+            while not ready:
+                if not self._asked[network]:
+                    self._ask(network)
+                self._receive(block=True)
+            ctl = ready.pop(0)[1]
+            self._busy[network] += 1
+            while len(self._ready[network]) + self._asked[network] < self._busy[network]:
+                self._ask(network)  # a spare for each run in flight: its next one
+            return ctl
+
+    def _take_reused(self, key: tuple[bool, int | None]) -> socket.socket | None:
+        with self._lock:
+            reused = self._reused.get(key, [])
+            while reused:
+                since, ctl = reused.pop()  # the last one back: the warmest
+                if time.monotonic() - since < IDLE_INIT / 2:
+                    self._busy[key[0]] += 1
+                    return ctl
+                ctl.close()
+            return None
+
+    def _done(self, network: bool, reusable: tuple[tuple[bool, int | None], socket.socket] | None = None) -> None:
+        with self._lock:
+            self._busy[network] -= 1
+            if reusable and self._conn is not None:
+                self._reused.setdefault(reusable[0], []).append((time.monotonic(), reusable[1]))
+            elif reusable:
+                reusable[1].close()
+
+    def _send(self, msg: bytes, fds: list[int], network: bool, key: tuple[bool, int | None]) -> socket.socket:
+        """Hand the job's message to an init whose last run left it untouched, else to a
+        ready one (one killed meanwhile is passed over)."""
+        for _attempt in range(8):
+            ctl = self._take_reused(key) or self._take(network)
+            try:
+                send_fds(ctl, msg, fds)
+                return ctl
+            except OSError:
+                ctl.close()
+                self._done(network)
+        raise RunnerError("no init took the run: they all died; see holder.log in the state dir")
+
+    def run(self, request: RunRequest) -> RunResult:
+        job = encode_job(build_job(self.layers, request, self.max_processes))
+        key = (request.network, request.memory_mb)
+        ctl = out_r = err_r = got = None
+        try:
+            fds = [stdin_fd(request.stdin)]
+            out_r, out_w = os.pipe2(os.O_CLOEXEC)
+            err_r, err_w = os.pipe2(os.O_CLOEXEC)
+            fds += [out_w, err_w]
+            try:
+                msg, payload = job_message(job)
+                fds += payload
+                t0 = time.monotonic()
+                ctl = self._send(msg, fds, request.network, key)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            deadline = None if request.timeout is None else t0 + request.timeout + _REPORT_GRACE
+            try:
+                got = collect(out_r, err_r, request.max_output, deadline, ctl)
+            except TimeoutError:
+                raise RunnerError("the run did not report back after its timeout; see holder.log in the "
+                                  "state dir") from None
+            wall = time.monotonic() - t0
+        finally:
+            if ctl is not None:
+                if got is not None and got.reply and got.reply.get("reusable"):
+                    self._done(request.network, (key, ctl))
+                else:
+                    ctl.close()  # also how a Ctrl-C here stops the run: the init sees us go
+                    self._done(request.network)
+            for fd in (out_r, err_r):
+                if fd is not None:
+                    os.close(fd)
+        reply = got.reply
+        if reply is None:
+            raise RunnerError("the run ended without a report (its init was killed); see holder.log in the "
+                              "state dir")
+        if "error" in reply:
+            raise RunnerError(reply["error"])
+        return build_result(got, request, wall, reply["exit_code"], reply["signal"], reply["timed_out"],
+                       reply["peak_memory_kb"], reply["out_of_memory"])
+
+    def shell(self, argv: tuple[str, ...] = ("/bin/sh",), persist: Path | None = None, *,
+              network: bool = False) -> int:
+        upper = None
+        if persist is not None:
+            Path(persist).mkdir(parents=True, exist_ok=True)
+            upper = str(Path(persist).resolve())
+        console = os.ttyname(0) if os.isatty(0) else None
+        spec = RootSpec(network=network, upper=upper, console=console,
+                        **{**self._spec, "binds": tuple(self._spec["binds"])})
+        env = {"TERM": os.environ.get("TERM", "xterm")}
+        job = build_job(self.layers, RunRequest(tuple(argv), env=env), self.max_processes)
+        return run_joined(self._holder_pid, self._kernel, spec, job)
+
+    def close(self) -> None:
+        with self._lock:
+            conn, self._conn = self._conn, None
+            for ready in (*self._ready.values(), *self._reused.values()):
+                for _, ctl in ready:
+                    ctl.close()
+                ready.clear()
+        if conn is not None:
+            conn.close()  # the holder releases the layers (after the linger time)

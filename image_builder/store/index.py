@@ -1,0 +1,192 @@
+"""index.json: what a store holds, and the fast lookup graders resolve through.
+
+`index.json` at the store root is the canonical record (described by
+`index/schema.json`, checked field by field when read). Paths in it are
+relative to the store, so a store can be copied or rsynced and still resolve.
+
+Graders resolve one instance at a time, often from a fresh process, on stores
+of 100,000 instances: parsing the whole JSON each time would cost seconds.
+So every write also produces `index.sqlite`, a keyed copy stamped with the
+JSON file's size, mtime and inode; a resolve checks the stamp with one stat
+and answers with one query, or falls back to the JSON when the copy is stale.
+
+This module imports nothing heavy: it is on the grader's start-up path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from image_builder import __version__
+from image_builder.errors import ImageBuilderError
+from .files import atomic_write
+
+SCHEMA_VERSION = 1
+INDEX_NAME = "index.json"
+LOOKUP_NAME = "index.sqlite"
+
+
+class IndexError_(ImageBuilderError):
+    pass
+
+
+@dataclass(frozen=True)
+class EnvRecord:
+    name: str
+    sif: str  # relative to the store
+    sha256: str
+    size: int
+    base: str
+    base_digest: str
+    build_key: str
+    built_at: int
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class InstanceRecord:
+    id: str
+    environment: str
+    sqfs: str | None  # relative to the store; None when the instance adds nothing
+    sha256: str | None
+    size: int
+    build_key: str
+    workdir: str = "/"
+    test_command: str | None = None
+    grader: dict = field(default_factory=dict)  # what the catalog gave for graders (dataset fields, ...)
+
+
+@dataclass(frozen=True)
+class Index:
+    environments: dict[str, EnvRecord]
+    instances: dict[str, InstanceRecord]
+    builder_version: str = __version__
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def to_json(self) -> dict:
+        return {"schema_version": SCHEMA_VERSION, "builder_version": self.builder_version, "created": self.created,
+                "environments": {k: asdict(v) for k, v in sorted(self.environments.items())},
+                "instances": {k: asdict(v) for k, v in sorted(self.instances.items())}}
+
+
+def _check(cond: bool, where: str, what: str) -> None:
+    if not cond:
+        raise IndexError_(f"{where}: {what}")
+
+
+_ENV_TYPES = {"name": str, "sif": str, "sha256": str, "size": int, "base": str, "base_digest": str,
+              "build_key": str, "built_at": int, "env": dict}
+_INST_TYPES = {"id": str, "environment": str, "sqfs": (str, type(None)), "sha256": (str, type(None)), "size": int,
+               "build_key": str, "workdir": str, "test_command": (str, type(None)), "grader": dict}
+
+
+def _record(cls, types: dict, doc: object, where: str):
+    _check(isinstance(doc, dict), where, "must be an object")
+    for key in sorted(set(doc) - set(types))[:1]:
+        raise IndexError_(f"{where}: unknown field {key!r}")
+    for key, typ in types.items():
+        if key in doc:
+            _check(isinstance(doc[key], typ) and not isinstance(doc[key], bool), f"{where}.{key}",
+                   f"wrong type {type(doc[key]).__name__}")
+    try:
+        return cls(**doc)
+    except TypeError as e:
+        raise IndexError_(f"{where}: {e}") from e
+
+
+def parse_index(doc: object, where: str) -> Index:
+    """Check a parsed index.json against the schema (index/schema.json) and build the records."""
+    _check(isinstance(doc, dict), where, "must be a JSON object")
+    version = doc.get("schema_version")
+    _check(version == SCHEMA_VERSION, f"{where}.schema_version",
+           f"is {version!r}; this image-builder reads version {SCHEMA_VERSION}: upgrade it or rebuild the index")
+    for key in sorted(set(doc) - {"schema_version", "builder_version", "created", "environments", "instances"})[:1]:
+        raise IndexError_(f"{where}: unknown field {key!r}")
+    envs = {k: _record(EnvRecord, _ENV_TYPES, v, f"{where}.environments[{k!r}]")
+            for k, v in (doc.get("environments") or {}).items()}
+    insts = {k: _record(InstanceRecord, _INST_TYPES, v, f"{where}.instances[{k!r}]")
+             for k, v in (doc.get("instances") or {}).items()}
+    for k, inst in insts.items():
+        _check(inst.environment in envs, f"{where}.instances[{k!r}].environment",
+               f"names {inst.environment!r}, which the index does not hold")
+    return Index(envs, insts, str(doc.get("builder_version", "")), int(doc.get("created", 0)))
+
+
+def read_index(store: Path) -> Index:
+    path = Path(store) / INDEX_NAME
+    try:
+        doc = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise IndexError_(f"{path}: no index; build the store first (image-builder build CATALOG --store "
+                          f"{store})") from None
+    except ValueError as e:
+        raise IndexError_(f"{path}: not valid JSON ({e}); rebuild with image-builder build") from e
+    return parse_index(doc, str(path))
+
+
+def _stamp(st: os.stat_result) -> str:
+    return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+
+
+def write_index(store: Path, index: Index) -> Path:
+    """index.json (temp, fsync, rename), then its lookup copy stamped with the new file's identity."""
+    store = Path(store)
+    dest = store / INDEX_NAME
+    data = json.dumps(index.to_json(), indent=1, sort_keys=True).encode()
+    atomic_write(dest, lambda f: f.write(data))
+    _write_lookup(store, index, _stamp(dest.stat()))
+    return dest
+
+
+def _write_lookup(store: Path, index: Index, stamp: str) -> None:
+    import tempfile  # not on the run path, which only reads
+
+    fd, tmp = tempfile.mkstemp(dir=store, prefix=f".{LOOKUP_NAME}.")
+    os.close(fd)
+    try:
+        db = sqlite3.connect(tmp)
+        db.executescript("PRAGMA journal_mode=OFF; PRAGMA synchronous=OFF;"
+                         "CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT);"
+                         "CREATE TABLE env(name TEXT PRIMARY KEY, doc TEXT);"
+                         "CREATE TABLE inst(id TEXT PRIMARY KEY, doc TEXT);")
+        db.execute("INSERT INTO meta VALUES ('stamp', ?)", (stamp,))
+        db.executemany("INSERT INTO env VALUES (?, ?)",
+                       ((k, json.dumps(asdict(v))) for k, v in index.environments.items()))
+        db.executemany("INSERT INTO inst VALUES (?, ?)",
+                       ((k, json.dumps(asdict(v))) for k, v in index.instances.items()))
+        db.commit()
+        db.close()
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, store / LOOKUP_NAME)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def lookup(store: Path, instance_id: str) -> tuple[InstanceRecord, EnvRecord] | None:
+    """The records of one instance from index.sqlite; None if the copy is missing or stale."""
+    store = Path(store)
+    try:
+        stamp = _stamp(os.stat(store / INDEX_NAME))
+        db = sqlite3.connect(f"file:{store / LOOKUP_NAME}?mode=ro", uri=True)
+    except (OSError, sqlite3.Error):
+        return None
+    try:
+        row = db.execute("SELECT value FROM meta WHERE key='stamp'").fetchone()
+        if not row or row[0] != stamp:
+            return None
+        inst = db.execute("SELECT doc FROM inst WHERE id=?", (instance_id,)).fetchone()
+        if inst is None:
+            raise KeyError(instance_id)
+        record = InstanceRecord(**json.loads(inst[0]))
+        env = db.execute("SELECT doc FROM env WHERE name=?", (record.environment,)).fetchone()
+        return record, EnvRecord(**json.loads(env[0]))
+    except sqlite3.Error:
+        return None
+    finally:
+        db.close()

@@ -1,0 +1,210 @@
+"""Where a store keeps its files.
+
+    STORE/
+      index.json                 what the store holds (see index/schema.json)
+      envs/<name>.sif            one image per environment
+      instances/<id>.sqfs        one overlay per instance
+      logs/envs/<name>/          build logs, one file per script
+      logs/instances/<id>.log
+      failed/envs/<name>/        a failed build's root filesystem, kept for `debug`
+      work/                      builds in progress (removed when they end)
+
+Every path the index records is relative to STORE, so a store can be copied
+or rsynced to a shared filesystem and still resolve.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from image_builder.errors import ImageBuilderError
+from .index import INDEX_NAME, Index, IndexError_, lookup, read_index
+
+
+def remove_tree(path: Path) -> None:
+    """rmtree that also removes read-only directories a rootless build left behind."""
+    def make_writable_and_retry(func, p, _exc):
+        parent = os.path.dirname(p)
+        os.chmod(parent, os.stat(parent).st_mode | stat.S_IRWXU)
+        if os.path.isdir(p) and not os.path.islink(p):
+            os.chmod(p, os.stat(p).st_mode | stat.S_IRWXU)
+        func(p)
+
+    import shutil  # not on the run path
+
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path, onerror=make_writable_and_retry)
+
+
+def remove_dead_work(root: Path) -> list[str]:
+    """Work trees of builds whose process is gone (killed, node rebooted); returns what went."""
+    removed = []
+    work = root / "work"
+    host = socket.gethostname()
+    for entry in work.iterdir() if work.is_dir() else ():
+        _, entry_host, pid = (["", "", ""] + entry.name.split("@"))[-3:]
+        # Only this node's: on a shared filesystem another node's build may be alive.
+        if entry_host == host and pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            remove_tree(entry)
+            removed.append(str(entry.relative_to(root)))
+    return removed
+
+
+@dataclass(frozen=True)
+class StorePaths:
+    root: Path
+
+    def env_sif(self, name: str) -> Path:
+        return self.root / "envs" / f"{name}.sif"
+
+    def instance_sqfs(self, instance_id: str) -> Path:
+        return self.root / "instances" / f"{instance_id}.sqfs"
+
+    def env_logs(self, name: str) -> Path:
+        return self.root / "logs" / "envs" / name
+
+    def instance_log(self, instance_id: str) -> Path:
+        return self.root / "logs" / "instances" / f"{instance_id}.log"
+
+    def failed_env(self, name: str) -> Path:
+        return self.root / "failed" / "envs" / name
+
+    def work(self, name: str) -> Path:
+        return self.root / "work" / f"{name}@{socket.gethostname()}@{os.getpid()}"
+
+    def relative(self, path: Path) -> str:
+        return str(path.relative_to(self.root))
+
+
+@dataclass(frozen=True)
+class ResolvedInstance:
+    """An instance's layers in mount order, and what a grader needs to run it."""
+    id: str
+    environment: str
+    env_sif: Path
+    overlays: tuple[Path, ...]  # instance layers, bottom to top
+    env: dict[str, str]
+    workdir: str
+    test_command: str | None
+    grader: dict
+
+    @property
+    def layers(self) -> tuple[Path, ...]:
+        return (self.env_sif, *self.overlays)
+
+
+class UnknownInstance(ImageBuilderError, KeyError):
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+class Store:
+    """A built store, opened for reading: `Store.open(path).resolve(instance_id)`."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.paths = StorePaths(self.root)
+        self._index: Index | None = None
+
+    @classmethod
+    def open(cls, path: Path | str) -> Store:
+        store = cls(Path(path))
+        if not (store.root / INDEX_NAME).is_file():
+            raise IndexError_(f"{store.root}: not a store (no {INDEX_NAME}); build one with "
+                              f"image-builder build CATALOG --store {store.root}")
+        return store
+
+    @property
+    def index(self) -> Index:
+        if self._index is None:
+            self._index = read_index(self.root)
+        return self._index
+
+    def resolve(self, instance_id: str) -> ResolvedInstance:
+        unknown = UnknownInstance(f"no instance {instance_id!r} in {self.root}; "
+                                  "`image-builder ls` lists what the store holds")
+        try:
+            found = lookup(self.root, instance_id)  # None: the lookup copy is missing or stale
+        except KeyError:
+            raise unknown from None
+        if found is None:
+            inst = self.index.instances.get(instance_id)
+            if inst is None:
+                raise unknown
+            found = inst, self.index.environments[inst.environment]
+        inst, env = found
+        overlays = (self.root / inst.sqfs,) if inst.sqfs else ()
+        return ResolvedInstance(inst.id, inst.environment, self.root / env.sif, overlays, env.env, inst.workdir,
+                                inst.test_command, inst.grader)
+
+
+@dataclass
+class VerifyReport:
+    checked: int = 0
+    missing: list[str] = field(default_factory=list)
+    corrupt: list[str] = field(default_factory=list)
+    orphaned: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.missing or self.corrupt)
+
+
+def _store_files(root: Path) -> set[str]:
+    """Image files in the store's image directories, relative to the store."""
+    found = set()
+    for sub, suffix in (("envs", ".sif"), ("instances", ".sqfs")):
+        for p in (root / sub).glob(f"*{suffix}") if (root / sub).is_dir() else ():
+            found.add(f"{sub}/{p.name}")
+    return found
+
+
+def verify(store: Store) -> VerifyReport:
+    """Re-hash every file the index names; list the image files it does not name."""
+    from image_builder.oci.cache import sha256_file
+    report = VerifyReport()
+    index = store.index
+    expected = {r.sif: r.sha256 for r in index.environments.values()}
+    expected.update({r.sqfs: r.sha256 for r in index.instances.values() if r.sqfs})
+    for rel, digest in sorted(expected.items()):
+        report.checked += 1
+        path = store.root / rel
+        if not path.is_file():
+            report.missing.append(rel)
+        elif sha256_file(path) != digest:
+            report.corrupt.append(rel)
+    report.orphaned = sorted(_store_files(store.root) - set(expected))
+    return report
+
+
+def gc(store: Store, *, keep_failed: bool = False) -> list[str]:
+    """Remove what the index no longer references: image files and their records, temporary
+    files, work trees of dead builds, and (unless keep_failed) failed builds. Returns what went."""
+    removed = []
+    index = store.index
+    referenced = {r.sif for r in index.environments.values()} | {r.sqfs for r in index.instances.values() if r.sqfs}
+    for rel in sorted(_store_files(store.root) - referenced):
+        for p in (store.root / rel, (store.root / rel).with_suffix(".json")):
+            if p.exists():
+                p.unlink()
+                removed.append(str(p.relative_to(store.root)))
+    for sub in ("envs", "instances"):
+        for p in (store.root / sub).glob(".*") if (store.root / sub).is_dir() else ():
+            p.unlink()  # temporary files of interrupted writes
+            removed.append(str(p.relative_to(store.root)))
+        for p in (store.root / sub).glob("*.tmp-*") if (store.root / sub).is_dir() else ():
+            p.unlink()
+            removed.append(str(p.relative_to(store.root)))
+    removed += remove_dead_work(store.root)
+    failed = store.root / "failed"
+    if failed.is_dir() and not keep_failed:
+        for entry in sorted(failed.glob("*/*")):
+            remove_tree(entry)
+            removed.append(str(entry.relative_to(store.root)))
+    return removed

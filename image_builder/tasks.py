@@ -1,0 +1,198 @@
+"""Tasks to grade, read from verl parquet, JSONL, or SWE-bench/ImpossibleBench JSONL.
+
+A record that cannot be graded (malformed ground truth, missing fields) becomes
+a `BadTask` carrying the reason, so one bad row gives one `bad_task` result
+instead of stopping a whole run. Only an unreadable file raises.
+
+Variants of one task (ImpossibleBench `oneoff`/`conflicting`) get distinct ids,
+`<id>__<impossible_type>`, as Impossible-SWEbench names its instances;
+`original_id` names the task they were made from.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+from image_builder.errors import ImageBuilderError
+
+
+class DatasetError(ImageBuilderError):
+    """A task or prediction file that cannot be read."""
+
+
+@dataclass(frozen=True)
+class AssertTask:
+    """verl ground truth {"assert_case": [...]}: each case runs as `solution + "\\n" + case`."""
+    task_id: str
+    cases: tuple[str, ...]
+    original_id: str
+    impossible_type: str | None = None
+    data_source: str = ""
+
+
+@dataclass(frozen=True)
+class StdioTask:
+    """{"inputs": [...], "outputs": [...]}: stdin/stdout tests, or call-based when fn_name is set."""
+    task_id: str
+    inputs: tuple[Any, ...]
+    outputs: tuple[Any, ...]
+    original_id: str
+    fn_name: str | None = None
+    impossible_type: str | None = None
+    data_source: str = ""
+
+
+@dataclass(frozen=True)
+class RepoTask:
+    """A SWE-bench instance; ImpossibleBench variants carry a mutated test_patch."""
+    task_id: str  # instance_id
+    repo: str
+    base_commit: str
+    gold_patch: str
+    test_patch: str
+    fail_to_pass: tuple[str, ...]
+    pass_to_pass: tuple[str, ...]
+    original_id: str
+    version: str = ""
+    impossible_type: str | None = None
+    original_test_patch: str | None = None
+    test_cmd: str = "pytest -rA"  # SWE-bench's command for most pytest repos; the test files are appended
+
+
+@dataclass(frozen=True)
+class BadTask:
+    task_id: str
+    reason: str
+
+
+Task = Union[AssertTask, StdioTask, RepoTask, BadTask]
+
+# SWE-bench's test commands where they differ from `pytest -rA`; a record's own `test_cmd` wins.
+REPO_TEST_CMDS = {"django/django": "./tests/runtests.py --verbosity 2 --settings=test_sqlite --parallel 1"}
+
+
+def parse_ground_truth(task_id: str, ground_truth: Any, *, data_source: str = "",
+                       impossible_type: str | None = None, original_id: str | None = None) -> Task:
+    """verl's `reward_model.ground_truth`: a JSON string (or dict), dispatched on its keys."""
+    original_id = original_id or task_id
+    if isinstance(ground_truth, (str, bytes)):
+        try:
+            ground_truth = json.loads(ground_truth)
+        except ValueError as exc:
+            return BadTask(task_id, f"ground truth is not JSON: {exc}")
+    if not isinstance(ground_truth, dict):
+        return BadTask(task_id, f"ground truth is a {type(ground_truth).__name__}, not an object")
+    if "assert_case" in ground_truth:
+        cases = ground_truth["assert_case"]
+        if not isinstance(cases, list) or not cases or not all(isinstance(c, str) for c in cases):
+            return BadTask(task_id, "assert_case must be a non-empty list of strings")
+        return AssertTask(task_id, tuple(cases), original_id, impossible_type, data_source)
+    if "inputs" in ground_truth and "outputs" in ground_truth:
+        inputs, outputs, fn_name = ground_truth["inputs"], ground_truth["outputs"], ground_truth.get("fn_name")
+        if not isinstance(inputs, list) or not isinstance(outputs, list) or len(inputs) != len(outputs) or not inputs:
+            return BadTask(task_id, "inputs and outputs must be non-empty lists of the same length")
+        if fn_name is not None and not isinstance(fn_name, str):
+            return BadTask(task_id, "fn_name must be a string")
+        if fn_name is None and not all(isinstance(x, str) for x in inputs + outputs):
+            return BadTask(task_id, "stdin/stdout inputs and outputs must be strings")
+        return StdioTask(task_id, tuple(inputs), tuple(outputs), original_id, fn_name or None, impossible_type,
+                         data_source)
+    keys = sorted(map(str, ground_truth))
+    return BadTask(task_id, f"ground truth has none of assert_case, inputs/outputs (keys: {keys})")
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """A line of a JSONL file that is not JSON."""
+    reason: str
+
+
+def task_from_record(record: Any, fallback_id: str) -> Task:
+    """One JSONL record or parquet row: verl row, SWE-bench instance, or a bare ground-truth record."""
+    if isinstance(record, Unreadable):
+        return BadTask(fallback_id, record.reason)
+    if not isinstance(record, dict):
+        return BadTask(fallback_id, f"record is a {type(record).__name__}, not an object")
+    if "instance_id" in record or "test_patch" in record:
+        return _repo_task(record, fallback_id)
+    if "reward_model" in record:
+        extra = record.get("extra_info") if isinstance(record.get("extra_info"), dict) else {}
+        task_id = str(extra.get("task_id", extra.get("index", fallback_id)))
+        reward_model = record["reward_model"] if isinstance(record["reward_model"], dict) else {}
+        if "ground_truth" not in reward_model:
+            return BadTask(task_id, "reward_model has no ground_truth")
+        return parse_ground_truth(task_id, reward_model["ground_truth"], data_source=record.get("data_source") or "")
+    original_id = str(record.get("task_id", fallback_id))
+    impossible_type = record.get("impossible_type")
+    task_id = f"{original_id}__{impossible_type}" if impossible_type else original_id
+    truth = {k: record[k] for k in ("assert_case", "inputs", "outputs", "fn_name") if k in record}
+    return parse_ground_truth(task_id, truth, data_source=record.get("data_source") or "",
+                              impossible_type=impossible_type, original_id=original_id)
+
+
+def _repo_task(record: dict, fallback_id: str) -> Task:
+    task_id = str(record.get("instance_id", fallback_id))
+    missing = [k for k in ("repo", "base_commit", "test_patch", "FAIL_TO_PASS") if not record.get(k)]
+    if missing:
+        return BadTask(task_id, f"SWE-bench record lacks {', '.join(missing)}")
+    try:
+        fail_to_pass, pass_to_pass = (_test_list(record.get(k) or "[]") for k in ("FAIL_TO_PASS", "PASS_TO_PASS"))
+    except ValueError as exc:
+        return BadTask(task_id, str(exc))
+    impossible_type = record.get("impossible_type")
+    original_id = task_id.removesuffix(f"__{impossible_type}") if impossible_type else task_id
+    test_cmd = record.get("test_cmd") or REPO_TEST_CMDS.get(record["repo"])
+    extra = {"test_cmd": test_cmd} if test_cmd else {}
+    return RepoTask(task_id, record["repo"], record["base_commit"], record.get("patch") or "", record["test_patch"],
+                    fail_to_pass, pass_to_pass, original_id, str(record.get("version", "")), impossible_type,
+                    record.get("original_test_patch"), **extra)
+
+
+def _test_list(value: Any) -> tuple[str, ...]:
+    # SWE-bench stores the lists as JSON strings; some exports have real lists.
+    try:
+        tests = json.loads(value) if isinstance(value, str) else value
+    except ValueError:
+        tests = None
+    if not isinstance(tests, list) or not all(isinstance(t, str) for t in tests):
+        raise ValueError("FAIL_TO_PASS and PASS_TO_PASS must be lists of test ids")
+    return tuple(tests)
+
+
+def read_records(path: Path) -> list[tuple[str, Any]]:
+    """(fallback id, record) for each row of a .parquet or each line of a JSONL file."""
+    if path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise DatasetError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except (OSError, ValueError) as exc:
+            raise DatasetError(f"{path}: not a readable parquet file: {exc}") from None
+        return [(f"row {i}", row) for i, row in enumerate(rows)]
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise DatasetError(f"{path}: cannot read: {exc.strerror}") from None
+    records = []
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                records.append((f"line {number}", json.loads(line)))
+            except ValueError as exc:
+                records.append((f"line {number}", Unreadable(f"line {number} is not JSON: {exc}")))
+    return records
+
+
+def load_tasks(path: Path) -> list[Task]:
+    tasks = [task_from_record(record, fallback) for fallback, record in read_records(path)]
+    seen: set[str] = set()
+    for task in tasks:
+        if task.task_id in seen:
+            raise DatasetError(f"{path}: task id {task.task_id} appears twice")
+        seen.add(task.task_id)
+    return tasks
