@@ -24,7 +24,8 @@ def _one_line_errors(fn):
         try:
             return fn(*args, **kwargs)
         except ImageBuilderError as e:
-            raise click.ClickException(str(e)) from e
+            # One line even when a message quotes input that holds line breaks.
+            raise click.ClickException(" ".join(str(e).splitlines())) from e
     return wrapper
 
 
@@ -110,8 +111,8 @@ base_option = click.option("--base", "bases", multiple=True, metavar="ALIAS=REF"
                            help="Use REF for the catalog's base alias ALIAS.")
 store_option = click.option("--store", type=click.Path(file_okay=False, path_type=Path), envvar="IMAGE_BUILDER_STORE",
                             default=Path("store"), show_default=True, help="The store directory.")
-backend_option = click.option("--backend", type=click.Choice(["chroot", "userns", "proot"]),
-                              help="Sandbox for scripts (default: chroot as root, else userns, else proot).")
+backend_option = click.option("--backend", type=click.Choice(["userns", "proot"]),
+                              help="Sandbox for scripts (default: userns, else proot, never as root).")
 
 
 @main.command()
@@ -340,9 +341,9 @@ def _layers(store: Path, instance: str | None, env_name: str | None):
         env = st.index.environments.get(env_name)
         if env is None:
             raise click.BadParameter(f"no environment {env_name!r} in {store}", param_hint="--env")
-        return InstanceLayers(st.root / env.sif, (), env.env, "/"), f"environment {env_name}"
+        return InstanceLayers(st.root / env.sif, (), env.env, "/", (env.sha256,)), f"environment {env_name}"
     r = st.resolve(instance)
-    return InstanceLayers(r.env_sif, r.overlays, r.env, r.workdir), f"instance {r.id}"
+    return InstanceLayers(r.env_sif, r.overlays, r.env, r.workdir, r.digests), f"instance {r.id}"
 
 
 def _binds(values: tuple[str, ...]):
@@ -356,6 +357,28 @@ def _binds(values: tuple[str, ...]):
     return tuple(binds)
 
 
+class _Size(click.ParamType):
+    """A byte count: 1048576, 64K, 10M, 1G (binary)."""
+
+    name = "size"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        text = str(value).strip().upper().removesuffix("B")
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        try:
+            n = int(text[:-1] if scale > 1 else text) * scale
+        except ValueError:
+            n = -1
+        if n < 0:
+            self.fail(f"{value!r}: expected a byte count such as 1048576, 64K, 10M or 1G", param, ctx)
+        return n
+
+
+_CAPPED = 125  # run's exit status when the output went over --max-output (124 is the timeout's)
+
+
 @main.command(context_settings={"allow_interspersed_args": False})
 @click.argument("instance")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
@@ -367,51 +390,90 @@ def _binds(values: tuple[str, ...]):
 @click.option("-e", "--env", "env_vars", multiple=True, metavar="K=V", help="An environment variable.")
 @click.option("--workdir", help="Default: the instance's.")
 @runtime_backend_option
+@click.option("--max-output", type=_Size(), default="1G", show_default=True, metavar="SIZE",
+              help=f"Most bytes of stdout, and of stderr, passed on (K, M, G; 0: no limit). Past it the "
+                   f"command is stopped, a line on stderr says so and the exit status is {_CAPPED}.")
 @click.option("--json", "as_json", is_flag=True, help="Print a result record; output goes to files.")
 @click.option("--output-dir", type=click.Path(file_okay=False, path_type=Path),
               help="With --json: where stdout and stderr are written (default: a new temp dir).")
 @_one_line_errors
-def run(instance, command, store, timeout, memory, net, binds, env_vars, workdir, backend, as_json, output_dir):
+def run(instance, command, store, timeout, memory, net, binds, env_vars, workdir, backend, max_output, as_json,
+        output_dir):
     """Run COMMAND in INSTANCE: exit status, stdout and stderr as if it ran here.
 
-    Layers are read-only and each run gets a fresh throwaway layer. Put `--`
+    Layers are read-only and each run gets a fresh throwaway layer. Output is
+    passed on as it comes and stdin read as the command reads it (a file given
+    on stdin is copied first, so the command sees a regular file). Put `--`
     before COMMAND when it has options of its own.
+
+    Exit status: the command's (128+N when signal N killed it); 124 when
+    --timeout stopped it; 125 when its output went over --max-output. With
+    --json the record tells: 0, or 125 over --max-output.
     """
+    import os
+
     from image_builder.runtime.backends import open_session
     from image_builder.runtime.execution import RunRequest
-    from image_builder.runtime.session import Backend
+    from image_builder.runtime.session import Backend, OutputCapped
     if command and command[0] == "--":  # options stop at INSTANCE, so click passes `--` on
         command = command[1:]
     if not command:
         raise click.UsageError("name the COMMAND to run")
     layers, _ = _layers(store, instance, None)
     env = dict(v.split("=", 1) for v in env_vars if "=" in v)
-    stdin = None if sys.stdin.isatty() else sys.stdin.buffer.read()
-    request = RunRequest(tuple(command), stdin=stdin, env=env, workdir=workdir, timeout=timeout, memory_mb=memory,
-                         network=net, max_output=1 << 30)
-    # linger: the next `run` of this instance, a fresh process, finds the layers still mounted
-    with open_session(layers, backend=Backend(backend) if backend else None, binds=_binds(binds),
-                      linger=60.0) as session:
-        result = session.run(request)
+    request = RunRequest(tuple(command), env=env, workdir=workdir, timeout=timeout, memory_mb=memory,
+                         network=net, max_output=max_output)
+    sinks = (1, 2)
     if as_json:
         import tempfile
         out_dir = output_dir or Path(tempfile.mkdtemp(prefix="image-builder-run-"))
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "stdout").write_bytes(result.stdout)
-        (out_dir / "stderr").write_bytes(result.stderr)
-        click.echo(json.dumps({"instance": instance, "exit_code": result.exit_code, "signal": result.signal,
-                               "timed_out": result.timed_out, "out_of_memory": result.out_of_memory,
-                               "wall_time": result.wall_time, "peak_memory_kb": result.peak_memory_kb,
-                               "truncated": result.truncated, "stdout": str(out_dir / "stdout"),
-                               "stderr": str(out_dir / "stderr")}, indent=2))
-        return
-    sys.stdout.buffer.write(result.stdout)
-    sys.stderr.buffer.write(result.stderr)
-    sys.stdout.flush()
+        sinks = tuple(os.open(out_dir / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                              0o644) for name in ("stdout", "stderr"))
+    result = capped = None
+    try:
+        # linger: the next `run` of this instance, a fresh process, finds the layers still mounted
+        with open_session(layers, backend=Backend(backend) if backend else None, binds=_binds(binds),
+                          linger=60.0) as session:
+            try:
+                result = session.stream(request, stdin=0, stdout=sinks[0], stderr=sinks[1])
+            except OutputCapped as e:
+                capped = e
+    except BrokenPipeError:  # our reader left (`run ... | head`): end as a pipeline's writer does
+        sys.exit(141)
+    if capped:
+        click.echo(f"image-builder: {capped.stream} went over --max-output ({capped.limit} bytes): the command "
+                   "was stopped and the rest of its output dropped", err=True)
+    if as_json:
+        for fd in sinks:
+            os.close(fd)
+        fields = ("exit_code", "signal", "timed_out", "out_of_memory", "wall_time", "peak_memory_kb")
+        record = {"instance": instance, **{f: getattr(result, f, None) for f in fields},
+                  "truncated": capped is not None,
+                  "stdout": str(out_dir / "stdout"), "stderr": str(out_dir / "stderr")}
+        click.echo(json.dumps(record, indent=2))
+        sys.exit(_CAPPED if capped else 0)
+    if capped:
+        sys.exit(_CAPPED)
     if result.timed_out:
         click.echo(f"image-builder: timed out after {timeout:g} s", err=True)
         sys.exit(124)  # as timeout(1) does
     sys.exit(result.exit_code if result.exit_code is not None else 128 + (result.signal or 0))
+
+
+# A login shell's startup files, then the image's environment over them: /etc/profile sets PATH
+# afresh (Debian's drops /opt/venv/bin, which `run` has). $1 is the rc text; bash reads it when
+# interactive (on a terminal), and commands piped in run with the image's environment as it is.
+_BASH_AS_LOGIN = 'exec /bin/bash --rcfile <(printf "%s\\n" "$1")'
+
+
+def _shell_rc(env: dict[str, str]) -> str:
+    import shlex
+    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items() if k.isidentifier() and k.isascii())
+    return ("if [ -r /etc/profile ]; then . /etc/profile; fi\n"
+            "for __ib in ~/.bash_profile ~/.bash_login ~/.profile; do\n"
+            '  if [ -r "$__ib" ]; then . "$__ib"; break; fi\n'
+            "done\nunset __ib\n" + (f"export {exports}\n" if exports else ""))
 
 
 @main.command()
@@ -425,18 +487,29 @@ def run(instance, command, store, timeout, memory, net, binds, env_vars, workdir
 @runtime_backend_option
 @_one_line_errors
 def shell(instance, env_name, store, persist, net, binds, backend):
-    """An interactive shell in INSTANCE (or --env NAME), over a throwaway writable layer."""
+    """An interactive shell in INSTANCE (or --env NAME), over a throwaway writable layer.
+
+    bash reads its login files, then gets the image's environment (PATH above
+    all) back over them, as `run` has it; without bash, /bin/sh.
+    """
     from image_builder.runtime.backends import open_session
+    from image_builder.runtime.execution import DEFAULT_PATH
     from image_builder.runtime.session import Backend
     if not instance and not env_name:
         raise click.UsageError("name an INSTANCE or --env NAME")
     layers, what = _layers(store, instance, env_name)
+    # merged-/usr images have bin -> usr/bin: look where the file really is
+    has_bash = _has(layers, "bin/bash") or _has(layers, "usr/bin/bash")
+    image_env = {"PATH": DEFAULT_PATH, **layers.env}
+    if has_bash:
+        argv = ("/bin/bash", "-c", _BASH_AS_LOGIN, "bash", _shell_rc(image_env))
+        how = "/bin/bash (login files, then the image's environment)"
+    else:
+        argv, how = ("/bin/sh",), "/bin/sh"
     layer_list = ", ".join(str(p) for p in (layers.env_sif, *layers.overlays))
     click.echo(f"image-builder shell: {what}; layers (read-only): {layer_list}; writes go to "
                + (f"{persist} (kept)" if persist else "a throwaway layer") + "; exit to leave", err=True)
-    # merged-/usr images have bin -> usr/bin: look where the file really is
-    has_bash = _has(layers, "bin/bash") or _has(layers, "usr/bin/bash")
-    argv = ("/bin/bash", "-l") if has_bash else ("/bin/sh",)
+    click.echo(f"image-builder shell: {how}; PATH={image_env['PATH']}", err=True)
     with open_session(layers, backend=Backend(backend) if backend else None, binds=_binds(binds)) as session:
         code = session.shell(argv, persist=persist, network=net)
     sys.exit(code)

@@ -169,30 +169,48 @@ def read_records(path: Path) -> list[tuple[str, Any]]:
             import pyarrow.parquet as pq
         except ImportError:
             raise DatasetError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
+        import pyarrow as pa
         try:
             rows = pq.read_table(path).to_pylist()
-        except (OSError, ValueError) as exc:
-            raise DatasetError(f"{path}: not a readable parquet file: {exc}") from None
+        except (OSError, ValueError, TypeError, NotImplementedError, pa.ArrowException) as exc:
+            raise DatasetError(f"{path}: not a readable parquet file: {' '.join(str(exc).split())}") from None
         return [(f"row {i}", row) for i, row in enumerate(rows)]
     try:
-        lines = path.read_text().splitlines()
+        data = path.read_bytes()
     except OSError as exc:
         raise DatasetError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise DatasetError(f"{path}: not UTF-8 text (byte {exc.start}); JSONL must be UTF-8, and a parquet file "
+                           "needs the .parquet suffix") from None
     records = []
-    for number, line in enumerate(lines, 1):
+    # "\n" only: JSON strings may hold U+2028 and other characters str.splitlines() breaks on.
+    for number, line in enumerate(text.split("\n"), 1):
         if line.strip():
             try:
                 records.append((f"line {number}", json.loads(line)))
-            except ValueError as exc:
-                records.append((f"line {number}", Unreadable(f"line {number} is not JSON: {exc}")))
+            except (ValueError, RecursionError) as exc:
+                why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+                records.append((f"line {number}", Unreadable(f"line {number} is not JSON: {why}")))
+    if records and all(isinstance(r, Unreadable) for _, r in records):
+        # One bad line is one bad task; a file without a JSON line is the wrong file.
+        raise DatasetError(f"{path}: not JSONL, no line is JSON ({records[0][1].reason}); expected one JSON "
+                           "object a line, or a .parquet file")
     return records
 
 
-def load_tasks(path: Path) -> list[Task]:
-    tasks = [task_from_record(record, fallback) for fallback, record in read_records(path)]
+def load_tasks_with_rows(path: Path) -> list[tuple[str, Task]]:
+    """(where in the file: "line N" or "row N", task) for each record; an id that appears twice raises."""
+    tasks = [(fallback, task_from_record(record, fallback)) for fallback, record in read_records(path)]
     seen: set[str] = set()
-    for task in tasks:
+    for where, task in tasks:
         if task.task_id in seen:
-            raise DatasetError(f"{path}: task id {task.task_id} appears twice")
+            shown = task.task_id if task.task_id.isprintable() else repr(task.task_id)  # keep it one line
+            raise DatasetError(f"{path}: task id {shown} appears twice (again at {where})")
         seen.add(task.task_id)
     return tasks
+
+
+def load_tasks(path: Path) -> list[Task]:
+    return [task for _, task in load_tasks_with_rows(path)]

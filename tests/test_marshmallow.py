@@ -34,8 +34,10 @@ def test_instance_holds_the_repo_at_base_commit(marshmallow_store, tmp_path):
         stack = Stack(work, resolved.env_sif, resolved.overlays)
         try:
             def run(*cmd):
-                return subprocess.run(["chroot", str(stack.merged), "/bin/sh", "-c",
-                                       f"cd {resolved.workdir} && PATH=/opt/venv/bin:$PATH " + " ".join(cmd)],
+                # Images carry no device nodes (every runtime brings its own /dev): bind the host's.
+                inner = f"cd {resolved.workdir} && PATH=/opt/venv/bin:$PATH " + " ".join(cmd)
+                return subprocess.run(["unshare", "--mount", "sh", "-c", 'mount --rbind /dev "$0/dev" && '
+                                       'exec chroot "$0" /bin/sh -c "$1"', str(stack.merged), inner],
                                       capture_output=True, text=True)
             head = run("git", "rev-parse", "HEAD")
             assert head.stdout.strip() == record["base_commit"], head.stderr

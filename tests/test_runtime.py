@@ -33,7 +33,7 @@ from image_builder.runtime.apptainer import apptainer_command
 from image_builder.runtime.backends import detect_backend, doctor
 from image_builder.runtime.cgroups import Cgroups
 from image_builder.runtime.execution import RunRequest, RunResult
-from image_builder.runtime.mounts import INIT_ENV
+from image_builder.runtime.mounts import INIT_ENV, PROC_MASKED
 from image_builder.runtime.session import Backend, InstanceLayers
 
 ROOTFS_CACHE = Path.home() / ".cache" / "image_builder-tests"
@@ -508,6 +508,106 @@ def test_an_untouched_root_serves_the_next_run_and_nothing_carries_over(case):
             assert int(after[0]) > 2 and after[1:] == fresh, f"{what}: reused, nothing left ({after})"
         else:
             assert after == ["2", *fresh], f"after {what}: a fresh root ({after})"
+
+
+MQ = "import ctypes, os; libc = ctypes.CDLL(None, use_errno=True); buf = ctypes.create_string_buffer(1 << 14); "
+
+
+@pytest.mark.parametrize("case", ["kernel", "userns"], indirect=True)
+def test_a_message_queue_does_not_outlive_its_run(case):
+    """POSIX message queues live in the root's ipc namespace, out of the file systems the
+    reuse check looks at: one left behind means a fresh root, one removed does not."""
+    send = py(MQ + "q = libc.mq_open(b'/left', os.O_CREAT | os.O_RDWR, 0o600, None); "
+              "assert q >= 0 and libc.mq_send(q, b'secret', 6, 0) == 0; print(os.getpid())")
+    receive = py(MQ + "q = libc.mq_open(b'/left', os.O_RDWR | os.O_NONBLOCK); "
+                 "print(os.getpid(), q, ctypes.get_errno(), libc.mq_receive(q, buf, len(buf), None), buf.value)")
+    tidy = py(MQ + "q = libc.mq_open(b'/tidy', os.O_CREAT | os.O_RDWR, 0o600, None); "
+              "assert q >= 0 and libc.mq_unlink(b'/tidy') == 0")
+    out = case.run(case.req(send), case.req(receive), case.req(tidy), case.req(["sh", "-c", 'echo "$$"']))
+    assert [r.exit_code for r in out] == [0] * 4, out
+    assert out[0].stdout == b"2\n"
+    assert out[1].stdout == b"2 -1 2 -1 b''\n", "the queue is gone (ENOENT) with the root that had it"
+    assert int(out[3].stdout) > 2, "a run that removed its queue leaves the root reusable"
+
+
+@pytest.mark.parametrize("case", ["kernel", "userns"], indirect=True)
+def test_the_writable_layer_tmp_and_shm_together_stay_within_the_memory_limit(case):
+    """Their tmpfs pages are memory that RLIMIT_AS (this host's limit: memory is cgroup v1)
+    does not count: 1 GB to each gets ENOSPC, with less than the limit written in all, and
+    so do files without data (each costs kernel memory). Without a limit, the default."""
+    fill = """
+import errno
+for d in ('/tmp', '/dev/shm', '/root'):
+    n = 0
+    try:
+        with open(d + '/big', 'wb') as f:
+            for _ in range(1024):
+                f.write(b'x' * (1 << 20))
+                n += 1
+    except OSError as e:
+        print(d, n, errno.errorcode[e.errno])
+    else:
+        print(d, n, 'ok')
+for i in range(200_000):
+    try:
+        open('/tmp/f%d' % i, 'w').close()
+    except OSError as e:
+        print('files', i, errno.errorcode[e.errno]); break
+else:
+    print('files', i, 'ok')
+"""
+    size = py("import os\nfor d in ('/', '/tmp', '/dev/shm'):\n st = os.statvfs(d); print(st.f_blocks * st.f_frsize >> 20)")
+    limited, default = case.run(case.req(py(fill), memory_mb=256, timeout=120), case.req(size))
+    lines = [ln.split() for ln in limited.stdout.decode().splitlines()]
+    assert [(ln[0], ln[2]) for ln in lines] == [("/tmp", "ENOSPC"), ("/dev/shm", "ENOSPC"), ("/root", "ENOSPC"),
+                                                 ("files", "ENOSPC")], limited
+    assert sum(int(ln[1]) for ln in lines[:3]) <= 256, lines
+    assert int(lines[3][1]) < 50_000, "inodes are bounded too"
+    assert sum(int(mb) for mb in default.stdout.split()) <= 4096, default.stdout
+
+
+@pytest.mark.parametrize("case", ["kernel", "userns"], indirect=True)
+def test_a_host_tmpfs_bound_over_tmp_is_never_resized(case):
+    """The root's own /tmp is sized for the memory limit, not what a bind put over it."""
+    host = case.host_dir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=10m,mode=777", "bound", str(host)], check=True)
+    try:
+        r = case.one(py("import os; st = os.statvfs('/tmp'); print(st.f_blocks * st.f_frsize >> 20)"), memory_mb=256,
+                     session={"binds": [[str(host), "/tmp", False]]})
+        st = os.statvfs(host)
+    finally:
+        subprocess.run(["umount", "-l", str(host)], check=True)
+    assert (r.exit_code, r.stdout, st.f_blocks * st.f_frsize >> 20) == (0, b"10\n", 10), r
+
+
+@pytest.mark.parametrize("case", ["kernel", "userns"], indirect=True)
+def test_host_information_in_proc_is_masked(case):
+    """Host information, and files only uid 0 may read (as root, kernel, the run is uid 0)."""
+    here = [n for n in PROC_MASKED if os.path.exists(f"/proc/{n}")]
+    if case.backend == "userns":  # not masked: what the user may read outside, the run may too
+        here = [n for n in here if not os.stat(f"/proc/{n}").st_mode & 0o044]
+    assert "kpageflags" in here
+    code = f"""
+import os
+for n in {here!r}:
+    p = '/proc/' + n
+    if os.path.isdir(p):
+        try:
+            open(p + '/x', 'w'); how = 'writable'
+        except OSError:
+            how = 'read-only'
+        print(n, len(os.listdir(p)), how)
+    else:
+        try:
+            print(n, len(open(p, 'rb').read(64)), 'read')
+        except OSError:
+            print(n, 0, 'refused')
+"""
+    r = case.one(py(code))
+    got = [ln.split() for ln in r.stdout.decode().splitlines()]
+    assert r.exit_code == 0 and [ln[0] for ln in got] == here, r
+    shown = [ln for ln in got if ln[1] != "0" or ln[2] == "writable"]
+    assert not shown, f"unmasked: {shown}"
 
 
 @pytest.mark.parametrize("case", ["kernel", "userns"], indirect=True)

@@ -25,6 +25,7 @@ catalog is the spec, `env_scripts/` holds the scripts.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,10 +35,13 @@ import yaml
 
 from image_builder.errors import ImageBuilderError
 from image_builder.oci.reference import ReferenceError, parse as parse_reference
+from image_builder.store.ids import id_problem, shown_id
 
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Instance paths (workdir) reach the sandbox's shell unquoted: plain characters only.
+WORKDIR = re.compile(r"^/[A-Za-z0-9._+@%=,:/-]*$")
 DEFAULT_TIMEOUT = 3600.0
+GRADER_MAX_NODES = 100_000  # YAML aliases can make a small file a huge (or cyclic) value
 
 
 class CatalogError(ImageBuilderError):
@@ -115,7 +119,7 @@ class _Checker:
     def mapping(self, node: Any, where: str, allowed: set[str], required: set[str] = frozenset()) -> _Node:
         if not isinstance(node, dict):
             raise self.fail(node, None, f"{where} must be a mapping")
-        unknown = sorted(set(node) - allowed)
+        unknown = sorted(set(node) - allowed, key=str)  # keys may be numbers, null, ...
         if unknown:
             raise self.fail(node, unknown[0], f"{where}: unknown key {unknown[0]!r} "
                                               f"(allowed: {', '.join(sorted(allowed))})")
@@ -123,12 +127,20 @@ class _Checker:
             raise self.fail(node, None, f"{where}: missing required key {key!r}")
         return node
 
-    def string(self, node: _Node, key: str, where: str, pattern: re.Pattern | None = None) -> str:
+    def string(self, node: _Node, key: str, where: str) -> str:
         value = node.get(key)
         if not isinstance(value, str) or not value.strip():
             raise self.fail(node, key, f"{where}.{key} must be a non-empty string")
-        if pattern and not pattern.match(value):
-            raise self.fail(node, key, f"{where}.{key} {value!r} is not a valid name (letters, digits, . _ -)")
+        if "\0" in value:
+            raise self.fail(node, key, f"{where}.{key} {value!r} holds a NUL character")
+        return value
+
+    def ident(self, node: _Node, key: str, where: str) -> str:
+        """An environment name or instance id: it names files in the store (store.id_problem)."""
+        value = node.get(key)
+        problem = id_problem(value)
+        if problem:
+            raise self.fail(node, key, f"{where}.{key} {shown_id(value)} is not a valid id: it {problem}")
         return value
 
     def env(self, node: _Node, where: str) -> dict[str, str]:
@@ -140,13 +152,67 @@ class _Checker:
                 raise self.fail(value, k, f"{where}.env: {k!r} is not a valid variable name")
             if not isinstance(v, (str, int, float, bool)):
                 raise self.fail(value, k, f"{where}.env.{k} must be a string or number")
+            if isinstance(v, str) and "\0" in v:  # no process environment can hold it
+                raise self.fail(value, k, f"{where}.env.{k} holds a NUL character")
         return {k: str(v) for k, v in value.items()}
 
     def timeout(self, node: _Node, where: str) -> float:
         value = node.get("timeout", DEFAULT_TIMEOUT)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
             raise self.fail(node, "timeout", f"{where}.timeout must be a positive number of seconds")
         return float(value)
+
+    def workdir(self, node: _Node, where: str) -> str:
+        value = node.get("workdir", "/")
+        if not isinstance(value, str) or not WORKDIR.match(value) or ".." in value.split("/"):
+            raise self.fail(node, "workdir", f"{where}.workdir {value!r} must be an absolute path in the instance "
+                                             "of letters, digits and . _ + @ % = , : / - (no '..')")
+        return value
+
+    def files(self, catalog: Path, node: _Node, where: str) -> dict[str, Path]:
+        """Instance path -> file beside the catalog. The path stays inside the instance: the build stages these
+        files on the host, under the sandbox's staging directory."""
+        files = node.get("files") or {}
+        if not isinstance(files, dict):
+            raise self.fail(node, "files", f"{where}.files must map instance paths to files beside the catalog")
+        resolved = {}
+        for dest, src in files.items():
+            parts = dest.lstrip("/").split("/") if isinstance(dest, str) else []
+            if not parts or "\0" in dest or any(p in ("", ".", "..") for p in parts):
+                raise self.fail(files, dest, f"{where}.files: {dest!r} must be a path in the instance, "
+                                             "like task/input.txt (no empty, '.' or '..' parts)")
+            if not isinstance(src, str) or not src or "\0" in src:
+                raise self.fail(files, dest, f"{where}.files.{dest}: name a file beside the catalog (a path "
+                                             "without NUL)")
+            src_path = (catalog.parent / src).resolve()
+            if not src_path.is_file():
+                raise self.fail(files, dest, f"{where}.files.{dest}: no file {src_path}")
+            resolved["/".join(parts)] = src_path
+        return resolved
+
+    def grader(self, node: _Node, where: str) -> dict:
+        """Metadata for graders, kept in index.json: JSON values only, of a bounded size."""
+        grader = node.get("grader") or {}
+        if not isinstance(grader, dict):
+            raise self.fail(node, "grader", f"{where}.grader must be a mapping")
+        count, stack = 0, [grader]
+        while stack:
+            value = stack.pop()
+            count += 1
+            if count > GRADER_MAX_NODES:
+                raise self.fail(node, "grader", f"{where}.grader has more than {GRADER_MAX_NODES} values "
+                                                "(or refers to itself)")
+            if isinstance(value, dict):
+                if not all(isinstance(k, str) for k in value):
+                    raise self.fail(node, "grader", f"{where}.grader: mapping keys must be strings")
+                stack.extend(value.values())
+            elif isinstance(value, list):
+                stack.extend(value)
+            elif isinstance(value, float) and not math.isfinite(value) or \
+                    not isinstance(value, (str, int, float, bool, type(None))):
+                raise self.fail(node, "grader", f"{where}.grader: {value!r} is not a JSON value "
+                                                "(strings, numbers, booleans, null, lists, mappings)")
+        return dict(grader)
 
     def context(self, catalog: Path, node: _Node, where: str) -> Path | None:
         """A build context directory beside the catalog, or None."""
@@ -158,7 +224,7 @@ class _Checker:
         return context
 
     def script(self, scripts_dir: Path, node: _Node, key: str, name: Any, where: str) -> Path:
-        if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
+        if not isinstance(name, str) or "/" in name or "\0" in name or name in ("", ".", ".."):
             raise self.fail(node, key, f"{where}: {name!r} is not a script name: name a file in {scripts_dir}")
         path = scripts_dir / name
         if not path.is_file():
@@ -170,23 +236,20 @@ class _Checker:
 def load(path: Path | str, *, scripts_dir: Path | None = None, bases: dict[str, str] | None = None) -> Catalog:
     """Read and validate a catalog; `bases` overrides its `bases:` aliases."""
     path = Path(path)
-    try:
-        doc = yaml.load(path.read_text(), Loader=_Loader)
-    except OSError as e:
-        raise CatalogError(f"{path}: cannot read catalog: {e.strerror}") from e
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        raise CatalogError(f"{path}:{mark.line + 1 if mark else 1}: not valid YAML: "
-                           f"{getattr(e, 'problem', e)}") from e
+    doc = _read_yaml(path)
     c = _Checker(path)
     top = c.mapping(doc, "catalog", {"bases", "environments", "instances", "instance_sets", "scripts_dir"},
                     {"environments"})
     if scripts_dir is None:
-        scripts_dir = (path.parent / top.get("scripts_dir", "../env_scripts")).resolve()
-    aliases = dict(top.get("bases") or {})
-    if not isinstance(top.get("bases", {}) or {}, dict):
+        scripts_dir = (path.parent / (c.string(top, "scripts_dir", "catalog") if "scripts_dir" in top
+                                      else "../env_scripts")).resolve()
+    aliases = top.get("bases") or {}
+    if not isinstance(aliases, dict):
         raise c.fail(top, "bases", "bases must be a mapping of alias: image reference")
-    aliases.update(bases or {})
+    for alias, ref in aliases.items():
+        if not isinstance(ref, str) or not ref.strip() or "\0" in ref:
+            raise c.fail(aliases, alias, f"bases: alias {alias!r} must name an image reference (a string)")
+    aliases = {**aliases, **(bases or {})}
 
     environments: dict[str, EnvironmentSpec] = {}
     envs = top.get("environments")
@@ -195,7 +258,7 @@ def load(path: Path | str, *, scripts_dir: Path | None = None, bases: dict[str, 
     for i, node in enumerate(envs):
         where = f"environments[{i}]"
         c.mapping(node, where, {"name", "base", "scripts", "env", "context", "timeout"}, {"name", "base", "scripts"})
-        name = c.string(node, "name", where, NAME)
+        name = c.ident(node, "name", where)
         if name in environments:
             raise c.fail(node, "name", f"{where}: duplicate environment name {name!r} "
                                        f"(first at line {environments[name].where.line})")
@@ -215,11 +278,14 @@ def load(path: Path | str, *, scripts_dir: Path | None = None, bases: dict[str, 
             c.env(node, where), c.context(path, node, where), c.timeout(node, where), Where(path, node.line))
 
     instances: dict[str, InstanceSpec] = {}
+    for key in ("instances", "instance_sets"):
+        if not isinstance(top.get(key) or [], list):
+            raise c.fail(top, key, f"{key} must be a list")
     for i, node in enumerate(top.get("instances") or []):
         where = f"instances[{i}]"
         c.mapping(node, where, {"id", "environment", "script", "env", "files", "workdir", "test_command",
                                 "grader", "timeout", "context"}, {"id", "environment"})
-        iid = c.string(node, "id", where, NAME)
+        iid = c.ident(node, "id", where)
         if iid in instances:
             raise c.fail(node, "id", f"{where}: duplicate instance id {iid!r} (first at line {instances[iid].where.line})")
         env_name = c.string(node, "environment", where)
@@ -227,23 +293,11 @@ def load(path: Path | str, *, scripts_dir: Path | None = None, bases: dict[str, 
             raise c.fail(node, "environment", f"{where}: unknown environment {env_name!r} "
                                               f"(declared: {', '.join(environments)})")
         script = c.script(scripts_dir, node, "script", node["script"], where) if node.get("script") else None
-        files = node.get("files") or {}
-        if not isinstance(files, dict):
-            raise c.fail(node, "files", f"{where}.files must map instance paths to files beside the catalog")
-        resolved = {}
-        for dest, src in files.items():
-            src_path = (path.parent / str(src)).resolve()
-            if not src_path.exists():
-                raise c.fail(files, dest, f"{where}.files.{dest}: no file {src_path}")
-            resolved[str(dest).lstrip("/")] = src_path
-        grader = node.get("grader") or {}
-        if not isinstance(grader, dict):
-            raise c.fail(node, "grader", f"{where}.grader must be a mapping")
         test_command = node.get("test_command")
-        if test_command is not None and not isinstance(test_command, str):
-            raise c.fail(node, "test_command", f"{where}.test_command must be a string")
-        instances[iid] = InstanceSpec(iid, env_name, script, c.env(node, where), resolved,
-                                      str(node.get("workdir", "/")), test_command, dict(grader),
+        if test_command is not None and (not isinstance(test_command, str) or "\0" in test_command):
+            raise c.fail(node, "test_command", f"{where}.test_command must be a string (without NUL)")
+        instances[iid] = InstanceSpec(iid, env_name, script, c.env(node, where), c.files(path, node, where),
+                                      c.workdir(node, where), test_command, c.grader(node, where),
                                       c.timeout(node, where), Where(path, node.line), c.context(path, node, where))
     for i, node in enumerate(top.get("instance_sets") or []):
         for spec in _instance_set(c, path, scripts_dir, node, f"instance_sets[{i}]", environments):
@@ -252,6 +306,30 @@ def load(path: Path | str, *, scripts_dir: Path | None = None, bases: dict[str, 
                                            f"(line {instances[spec.id].where.line})")
             instances[spec.id] = spec
     return Catalog(path, scripts_dir, environments, instances)
+
+
+def _read_yaml(path: Path) -> Any:
+    """The catalog's YAML document, or a CatalogError of one line naming the file and line."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise CatalogError(f"{path}: cannot read catalog: {e.strerror}") from e
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise CatalogError(f"{path}:{line}: not UTF-8 text (byte {e.start}): a catalog is a YAML file") from None
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except RecursionError:
+        raise CatalogError(f"{path}: nested too deeply to be a catalog") from None
+    except yaml.reader.ReaderError as e:  # characters YAML refuses (NUL, other controls)
+        raise CatalogError(f"{path}:{text[:e.position].count(chr(10)) + 1}: not valid YAML: character "
+                           f"{chr(e.character)!r} is not allowed") from e
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        why = " ".join(str(getattr(e, "problem", None) or e).split())  # one line
+        raise CatalogError(f"{path}:{mark.line + 1 if mark else 1}: not valid YAML: {why}") from e
 
 
 def _instance_set(c: _Checker, path: Path, scripts_dir: Path, node: Any, where: str,
@@ -267,21 +345,28 @@ def _instance_set(c: _Checker, path: Path, scripts_dir: Path, node: Any, where: 
     except _Err as e:
         raise c.fail(node, "from", f"{where}.from: {e}") from e
     if bad:
-        raise c.fail(node, "from", f"{where}.from: {len(bad)} tasks cannot be instances, first: {bad[0]}")
+        raise c.fail(node, "from", f"{where}.from: {len(bad)} tasks of {source} cannot be instances; first, "
+                                   f"{bad[0]}")
     script = c.script(scripts_dir, node, "script", node["script"], where) if node.get("script") else None
     context = c.context(path, node, where)
+    workdir = c.workdir(node, where)
     env_template, env_vars = c.string(node, "environment", where), c.env(node, where)
+    if node.get("test_command") is not None and not isinstance(node["test_command"], str):
+        raise c.fail(node, "test_command", f"{where}.test_command must be a string")
     specs = []
     for d in found:
         try:
             env_name = fill(env_template, d.fields)
             env = {k: fill(v, d.fields) for k, v in env_vars.items()}
             test_command = fill(node["test_command"], d.fields) if node.get("test_command") else None
-        except KeyError as e:
+        except (KeyError, ValueError) as e:
             raise c.fail(node, "environment", f"{where}: {e.args[0]}") from None
+        if any("\0" in v for v in (env_name, test_command or "", *env.values())):
+            raise c.fail(node, "env", f"{where}: task {d.id} puts a NUL character in its templates; "
+                                      "fix the task in the dataset")
         if env_name not in environments:
             raise c.fail(node, "environment", f"{where}: task {d.id} needs environment {env_name!r}, "
                                               f"which the catalog does not declare")
-        specs.append(InstanceSpec(d.id, env_name, script, env, dict(d.files), str(node.get("workdir", "/")),
+        specs.append(InstanceSpec(d.id, env_name, script, env, dict(d.files), workdir,
                                   test_command, d.grader, c.timeout(node, where), Where(path, node.line), context))
     return specs

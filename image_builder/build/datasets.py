@@ -10,10 +10,12 @@ were made from (same repository state; their tests differ only at grading).
 from __future__ import annotations
 
 import json
+import string
 from dataclasses import dataclass
 from pathlib import Path
 
-from image_builder.tasks import AssertTask, BadTask, RepoTask, StdioTask, load_tasks
+from image_builder.store.ids import id_problem, shown_id
+from image_builder.tasks import AssertTask, BadTask, RepoTask, StdioTask, load_tasks_with_rows
 
 
 @dataclass(frozen=True)
@@ -49,21 +51,33 @@ def _case_draft(task: AssertTask | StdioTask) -> InstanceDraft:
 
 
 def drafts(path: Path) -> tuple[list[InstanceDraft], list[str]]:
-    """(one draft per original task, reasons for the tasks that cannot become instances)."""
+    """(one draft per original task, reasons for the tasks that cannot become instances, each naming its row)."""
     out: dict[str, InstanceDraft] = {}
     bad = []
-    for task in load_tasks(path):
+    for row, task in load_tasks_with_rows(path):
         if isinstance(task, BadTask):
-            bad.append(f"{task.task_id}: {task.reason}")
+            bad.append(f"{row}: {task.reason}" if task.task_id == row else f"{row} ({shown_id(task.task_id)}): "
+                                                                            f"{task.reason}")
+        elif problem := id_problem(task.original_id):  # the id names the instance's files in the store
+            bad.append(f"{row}: instance id {shown_id(task.original_id)} {problem}; fix the id in the dataset")
         elif task.original_id not in out:  # variants map to their original's instance
             out[task.original_id] = _repo_draft(task) if isinstance(task, RepoTask) else _case_draft(task)
     return list(out.values()), bad
 
 
 def fill(template: str, fields: dict[str, str]) -> str:
-    """`{field}` substitution that reports a missing field by name."""
+    """`{field}` substitution that reports a missing field by name (KeyError) or a template that is not one of
+    plain `{name}` fields (ValueError: no indexing, attributes or format specs, which str.format would run)."""
     try:
-        return template.format(**fields)
-    except KeyError as e:
-        raise KeyError(f"template {template!r} uses {{{e.args[0]}}}, which this dataset's tasks do not have "
-                       f"(they have: {', '.join(sorted(fields))})") from None
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as e:
+        raise ValueError(f"template {template!r}: {e} (write {{{{ and }}}} for literal braces)") from None
+    for _, name, spec, conversion in parsed:
+        if name is None:
+            continue
+        if not name.isidentifier() or spec or conversion:
+            raise ValueError(f"template {template!r}: {{{name}}} is not a plain {{field}}")
+        if name not in fields:
+            raise KeyError(f"template {template!r} uses {{{name}}}, which this dataset's tasks do not have "
+                           f"(they have: {', '.join(sorted(fields))})")
+    return template.format_map(fields)

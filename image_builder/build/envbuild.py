@@ -142,14 +142,15 @@ def build_environment(spec: EnvironmentSpec, opts: BuildOptions, progress: Progr
               LABEL_PREFIX + "base": spec.base, LABEL_PREFIX + "base-digest": image.digest,
               LABEL_PREFIX + "scripts": json.dumps(script_digests(spec)), LABEL_PREFIX + "version": __version__}
     try:
-        flatten([layer.path for layer in image.layers], rootfs, rootless=os.geteuid() != 0)
+        # Rootless even as root: no device node of an untrusted layer reaches the tree.
+        flatten([layer.path for layer in image.layers], rootfs, rootless=True)
         run_scripts(spec, rootfs, env, backend, paths, opts.verbose)
         write_singularity_env(rootfs, env, labels=labels)
         epoch = source_date_epoch()
         if epoch is not None:
             clamp_mtimes(rootfs, epoch)
-        # Rootless trees belong to the builder's uid: inside the image they must be root's.
-        squash = opts.squash if os.geteuid() == 0 else replace(opts.squash, all_root=True)
+        # The tree belongs to the sandbox's uid (the builder's, or BUILD_UID): inside the image, root's.
+        squash = replace(opts.squash, all_root=True)
         sif.parent.mkdir(parents=True, exist_ok=True)
         write_sif(sif, rootfs, deffile=deffile(spec, spec.base, image.digest, env, backend), labels=labels,
                   squash=squash, extra_json={"image-builder.env.json": env})

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
+import shlex
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -131,7 +131,8 @@ def build_instance(spec: InstanceSpec, env: EnvBuild, store: Path, *, backend: B
         staged["instance.sh"] = spec.script
     steps = [f"if [ -d {FILES_IN_SANDBOX} ]; then cp -a {FILES_IN_SANDBOX}/. /; fi"]
     if spec.script:
-        steps.append(f"mkdir -p {spec.workdir} && cd {spec.workdir} && /bin/sh {SCRIPT_IN_SANDBOX}")
+        workdir = shlex.quote(spec.workdir)
+        steps.append(f"mkdir -p {workdir} && cd {workdir} && /bin/sh {SCRIPT_IN_SANDBOX}")
     binds = (Bind(spec.context, "/build"),) if spec.context else ()
     sandbox = SandboxSpec(merged, env={**env.env, **spec.env}, workdir="/", binds=binds,
                           overlay=Overlay((SquashImage(env.sif, offset),), upper, scratch))
@@ -147,7 +148,7 @@ def build_instance(spec: InstanceSpec, env: EnvBuild, store: Path, *, backend: B
         epoch = source_date_epoch()
         if epoch is not None:  # as for environments: the same inputs make the same bytes
             clamp_mtimes(upper, epoch)
-        pack(upper, dest, squash if os.geteuid() == 0 else replace(squash, all_root=True))
+        pack(upper, dest, replace(squash, all_root=True))  # written by the sandbox's uid: root's inside
         st = dest.stat()
         build = InstanceBuild(spec.id, spec.environment, dest, sha256_file(dest), st.st_size, key, True,
                               time.monotonic() - t0, st.st_mtime_ns)

@@ -29,8 +29,8 @@ from typing import Protocol
 from image_builder.errors import ImageBuilderError
 from image_builder.oci.cache import sha256_file
 from image_builder.store.files import atomic_write
-from image_builder.store.index import (EnvRecord, Index, IndexError_, InstanceRecord, parse_index, read_index,
-                                       write_index)
+from image_builder.store.index import (EnvRecord, Index, IndexError_, InstanceRecord, load_json, parse_index,
+                                       read_index, write_index)
 from image_builder.store.store import StorePaths, remove_dead_work
 from .catalog import Catalog, EnvironmentSpec, InstanceSpec
 from .envbuild import BuildFailed, BuildOptions, EnvBuild, build_environment
@@ -88,9 +88,9 @@ class SilentReporter:
 
 @contextmanager
 def item_lock(store: Path, name: str) -> Iterator[None]:
-    locks = store / "locks"
-    locks.mkdir(parents=True, exist_ok=True)
-    with open(locks / f"{name}.lock", "w") as f:
+    lock = StorePaths(store).lock(name)  # named as the store names ids: escaped, never outside locks/
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         yield
 
@@ -177,7 +177,7 @@ def build_store(catalog: Catalog, opts: StoreBuildOptions, reporter: Reporter = 
         reporter.start("environment", spec.name)
         try:
             with item_lock(store, f"env-{spec.name}"):
-                failed_in = store / "locks" / f"env-{spec.name}.failed"
+                failed_in = paths.lock(f"env-{spec.name}", ".failed")
                 if opts.attempt and failed_in.exists() and failed_in.read_text() == opts.attempt:
                     raise ImageBuilderError(f"its build failed in another shard of this submission; log: "
                                             f"{paths.env_logs(spec.name)}")
@@ -263,7 +263,7 @@ def merge_fragments(store: Path) -> tuple[Path, int]:
     envs: dict[str, EnvRecord] = {}
     instances: dict[str, InstanceRecord] = {}
     for frag in fragments:
-        index = parse_index(json.loads(frag.read_text()), str(frag))
+        index = parse_index(load_json(frag, "index fragment"), str(frag))
         envs.update(index.environments)
         instances.update(index.instances)
     with item_lock(store, "index"):

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from image_builder.errors import ImageBuilderError
 from image_builder.runtime.backends import open_session
-from image_builder.runtime.execution import Executor
+from image_builder.runtime.execution import Executor, RunRequest, RunResult
 from image_builder.runtime.session import Backend, InstanceLayers, Session
 from image_builder.store.files import atomic_write
 from image_builder.store.store import Store
@@ -37,24 +38,49 @@ def instance_of(task: Task) -> str:
     return getattr(task, "original_id", task.task_id)
 
 
-class StoreExecutors:
-    """`executor_for(task)` backed by a store: one warm session per instance, shared by threads."""
+# Sessions kept open at once: each holds its instance's mounts (and spare inits) in the
+# holder. Unbounded, grading 5,000 one-instance tasks ended with 10,017 mounts and 12
+# tasks/s against 78 at the start.
+DEFAULT_MAX_SESSIONS = 32
 
-    def __init__(self, store: Store, *, backend: Backend | None = None):
-        self.store, self.backend = store, backend
-        self._sessions: dict[str, Session] = {}
+
+class StoreExecutors:
+    """`executor_for(task)` backed by a store: a warm session per instance, shared by threads,
+    at most `max_sessions` open; the least recently used idle one is closed to make room."""
+
+    def __init__(self, store: Store, *, backend: Backend | None = None, max_sessions: int = DEFAULT_MAX_SESSIONS):
+        self.store, self.backend, self.max_sessions = store, backend, max(1, max_sessions)
+        self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
+        self._busy: Counter[str] = Counter()
         self._lock = threading.Lock()
+        self.peak_sessions = 0
 
     def __call__(self, task: Task) -> Executor:
         return self.for_instance(instance_of(task))
 
     def for_instance(self, instance_id: str) -> Executor:
+        """An executor for the instance (UnknownInstance now if the store has none); its
+        session opens at the first run."""
+        resolved = self.store.resolve(instance_id)
+        return _InstanceExecutor(self, instance_id, InstanceLayers(resolved.env_sif, resolved.overlays, resolved.env,
+                                                                   resolved.workdir, resolved.digests))
+
+    def _acquire(self, instance_id: str, layers: InstanceLayers) -> Session:
         with self._lock:
-            if instance_id not in self._sessions:
-                r = self.store.resolve(instance_id)
-                self._sessions[instance_id] = open_session(InstanceLayers(r.env_sif, r.overlays, r.env, r.workdir),
-                                                           backend=self.backend)
-            return self._sessions[instance_id]
+            session = self._sessions.get(instance_id)
+            if session is None:
+                session = self._sessions[instance_id] = open_session(layers, backend=self.backend)
+            self._sessions.move_to_end(instance_id)
+            self._busy[instance_id] += 1
+            surplus = len(self._sessions) - self.max_sessions
+            for idle in [i for i in self._sessions if not self._busy[i]][:max(0, surplus)]:
+                self._sessions.pop(idle).close()  # the holder unmounts what no session uses
+            self.peak_sessions = max(self.peak_sessions, len(self._sessions))
+            return session
+
+    def _release(self, instance_id: str) -> None:
+        with self._lock:
+            self._busy[instance_id] -= 1
 
     def close(self) -> None:
         with self._lock:
@@ -67,6 +93,20 @@ class StoreExecutors:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _InstanceExecutor:
+    """What a grader is given: each run borrows the instance's session from the pool."""
+
+    def __init__(self, pool: StoreExecutors, instance_id: str, layers: InstanceLayers):
+        self._pool, self._instance_id, self._layers = pool, instance_id, layers
+
+    def run(self, request: RunRequest) -> RunResult:
+        session = self._pool._acquire(self._instance_id, self._layers)
+        try:
+            return session.run(request)
+        finally:
+            self._pool._release(self._instance_id)
 
 
 def read_results(output: Path) -> list[GradeResult]:

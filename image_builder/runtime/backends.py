@@ -25,6 +25,7 @@ open_session() is the entry point: it picks the backend and hands the layers to 
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +50,40 @@ def default_state_dir() -> Path:
     if runtime_dir and os.path.isdir(runtime_dir):
         return Path(runtime_dir) / "image_builder"
     return Path(f"/tmp/image_builder-{os.getuid()}")
+
+
+def private_state_dir(path: Path) -> Path:
+    """`path`, made mode 700 if missing; refused (RunnerError) if it is a symlink, is
+    another user's or writable by others: /tmp/image_builder-UID is a name anyone can
+    take first, and a planted holder.log symlink would make us append wherever it points.
+    Our own directory that only lets others read is narrowed to 700: no one else can
+    have put anything in it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    fix = "set XDG_RUNTIME_DIR to a directory of yours (mode 700)"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        why = "a symlink" if os.path.islink(path) else f"not usable ({e.strerror})"
+        raise RunnerError(f"state dir {path} is {why}: another user may control it; remove it, or {fix}") from None
+    try:
+        st = os.fstat(fd)
+        mode = stat.S_IMODE(st.st_mode)
+        if st.st_uid != os.geteuid():
+            why, fix = f"owned by uid {st.st_uid}, not by us", f"{fix}, or have its owner remove it"
+        elif mode & 0o022:
+            why, fix = f"mode {mode:o}, writable by others", f"remove it (others may have put files in it), or {fix}"
+        else:
+            if mode != 0o700:
+                os.fchmod(fd, 0o700)
+            return path
+    finally:
+        os.close(fd)
+    raise RunnerError(f"state dir {path} is {why}: another user may control it; {fix}")
 
 
 # --- what this host can do ------------------------------------------------------------------
@@ -164,16 +199,23 @@ def open_session(layers: InstanceLayers, *, backend: Backend | None = None, stat
 
     `binds`: host paths to show inside. `max_processes`: per run. `linger`: seconds the
     mounts stay after the last session using them closes, so the next one starts warm
-    (a CLI running one command per process wants this). `scratch_mb`: size of each
-    run's writable layer (default half the RAM). `unpack_dir` (default
+    (a CLI running one command per process wants this). `scratch_mb`: a cap on each of a
+    run's writable layer, /tmp and /dev/shm (they share the run's memory limit, or 4 GB
+    without one: native/init.c's DEFAULT_SCRATCH_MB). `unpack_dir` (default
     $IMAGE_BUILDER_UNPACK_DIR): userns only, unpack the environment image there once (a
     node-local disk: about the image's size uncompressed) and use it instead of
     squashfuse: with plain squashfuse_ll, whose round trip on every open() slows short
-    runs by a third, this wins; squashfuse_cached comes close without it."""
+    runs by a third, this wins; squashfuse_cached comes close without it. `state_dir`
+    (default: default_state_dir()) must be this user's, mode 700 (private_state_dir)."""
     backend = backend or detect_backend()
     if not Path(layers.env_sif).is_file():
         raise RunnerError(f"environment image {layers.env_sif} not found; build or pull it first")
-    state_dir = Path(state_dir) if state_dir else default_state_dir()
+    if backend is not Backend.APPTAINER or layers.digests:  # holder, trees, checked layers
+        state_dir = private_state_dir(Path(state_dir) if state_dir else default_state_dir())
+    if layers.digests:
+        from .checked import check_layers
+
+        check_layers(layers, state_dir)
     if backend in (Backend.KERNEL, Backend.USERNS):
         unpack_dir = unpack_dir or os.environ.get("IMAGE_BUILDER_UNPACK_DIR") or None
         return HolderSession(layers, backend, state_dir, tuple(binds), max_processes, linger, scratch_mb,

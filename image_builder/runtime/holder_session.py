@@ -5,6 +5,7 @@ to inits (native/init.c) whose root is already built.
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import struct
@@ -21,27 +22,82 @@ from .session import Backend, InstanceLayers, Session, build_job, build_result, 
 _REPORT_GRACE = 30.0  # seconds past a run's timeout before its silence is an error
 
 
-def holder_name(state_dir: Path, kernel: bool) -> str:
-    """The holder's abstract socket name: per user, state dir, backend and interpreter
-    (messages are marshal). An abstract socket vanishes with its process: a dead holder
-    leaves no socket file behind."""
+_TOKEN = "holder.token"  # in the state dir (mode 700): the secret part of the holder's socket name
+_NAME_ENV = "IMAGE_BUILDER_HOLDER_SOCKET"  # how the name reaches the holder: argv is public, environ is not
+
+
+class _Squatted(Exception):
+    """The holder's socket name is taken by a process that is not our holder."""
+
+
+def _read_token(state_dir: Path) -> str | None:
+    try:
+        fd = os.open(Path(state_dir, _TOKEN), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise RunnerError(f"cannot read {Path(state_dir, _TOKEN)}: {e.strerror}; remove it") from None
+    with os.fdopen(fd) as f:
+        token = f.read().strip()
+    return token if len(token) == 32 and all(c in "0123456789abcdef" for c in token) else None
+
+
+def _new_token(state_dir: Path, stale: str | None) -> str:
+    """Replace the token `stale` (None: none yet) with a random one, unless another
+    process did meanwhile: then theirs, so that both start the same holder."""
+    import fcntl
+    import secrets
+
+    lock = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        current = _read_token(state_dir)
+        if current is not None and current != stale:
+            return current
+        token = secrets.token_hex(16)
+        tmp = Path(state_dir, f"{_TOKEN}.{os.getpid()}")
+        try:
+            os.unlink(tmp)  # a crashed writer's, with our pid
+        except FileNotFoundError:
+            pass
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+        os.replace(tmp, Path(state_dir, _TOKEN))
+        return token
+    finally:
+        os.close(lock)
+
+
+def holder_name(state_dir: Path, kernel: bool, token: str | None = None) -> str:
+    """The holder's abstract socket name: per user, backend and interpreter (messages
+    are marshal), with the state dir's secret token (made on first use), so that another
+    user cannot bind the name before the holder does. An abstract socket vanishes with
+    its process: a dead holder leaves no socket file behind."""
     import zlib
 
-    key = f"{os.path.realpath(state_dir)}:{sys.version}:{'kernel' if kernel else 'userns'}"
-    return f"image-builder-{os.getuid()}-{zlib.crc32(key.encode()):08x}-{'kernel' if kernel else 'userns'}"
+    token = token or _read_token(state_dir) or _new_token(state_dir, None)
+    kind = "kernel" if kernel else "userns"
+    key = f"{sys.version}:{kind}"
+    return f"image-builder-{os.getuid()}-{token}-{zlib.crc32(key.encode()):08x}-{kind}"
 
 
 def _connect(name: str) -> socket.socket:
+    """A connection to our holder at `name`: ConnectionRefusedError when nothing listens
+    there, _Squatted when another user's socket (or one of another type) has the name."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         conn.connect(b"\0" + name.encode())
         uid = _peer(conn)[1]
-    except OSError:
+    except OSError as e:
         conn.close()
+        # A socket of another type with the name (older kernels: one abstract namespace for every type).
+        if e.errno == errno.EPROTOTYPE:
+            raise _Squatted(f"a socket of another type holds @{name}") from None
         raise
     if uid != os.getuid():
         conn.close()
-        raise RunnerError(f"the holder socket @{name} belongs to uid {uid}, not to us; use another state_dir")
+        raise _Squatted(f"@{name} is held by uid {uid}")
     return conn
 
 
@@ -50,27 +106,48 @@ def _peer(conn: socket.socket) -> tuple[int, int, int]:
     return struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
 
 
-def _start_holder(state_dir: Path, kernel: bool, name: str) -> None:
+def _log(state_dir: Path) -> int:
+    """holder.log, opened to append; never through a symlink planted in its place."""
+    path = Path(state_dir, "holder.log")
+    try:
+        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise RunnerError(f"cannot open {path}: {e.strerror}; remove it") from None
+
+
+def _note(state_dir: Path, text: str) -> None:
+    fd = _log(state_dir)
+    try:
+        os.write(fd, f"image-builder: {text}\n".encode())
+    finally:
+        os.close(fd)
+
+
+def _start_holder(state_dir: Path, kernel: bool, name: str) -> str:
+    """Start a holder for `name`; "ready", or "busy" when the name was already taken."""
     import subprocess
 
-    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     cgroups = locate_cgroups()
     if cgroups:
         start_join_grace_period(cgroups[0])
     root = str(Path(__file__).resolve().parents[2])
     # -S: no site-packages scan; the holder needs the standard library and this package only.
-    boot = f"import sys; sys.path[:0] = [{root!r}]; from image_builder.runtime.holder import holder_main; " \
-           "holder_main(sys.argv[1:])"
-    with open(state_dir / "holder.log", "ab") as log:
+    boot = f"import os, sys; sys.path[:0] = [{root!r}]; from image_builder.runtime.holder import holder_main; " \
+           f"holder_main(sys.argv[1:] + [os.environ.pop({_NAME_ENV!r})])"
+    log = _log(state_dir)
+    try:
         proc = subprocess.Popen([sys.executable, "-S", "-E", "-c", boot, "kernel" if kernel else "userns",
-                                 str(state_dir), name], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=log, start_new_session=True, cwd="/")
+                                 str(state_dir)], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=log, start_new_session=True, cwd="/", env={**os.environ, _NAME_ENV: name})
+    finally:
+        os.close(log)
     line = proc.stdout.readline().decode(errors="replace").strip()
     proc.stdout.close()
     proc.wait()
     if not line or line.startswith("error:"):
         why = line[6:].strip() if line else f"it died; see {state_dir}/holder.log"
         raise RunnerError(f"cannot start the mount holder: {why}; run `image-builder doctor`")
+    return line
 
 
 def _unpacked(cache: Path, env_sif: Path, offset: int):
@@ -86,13 +163,22 @@ def _unpacked(cache: Path, env_sif: Path, offset: int):
 
 
 def _open_on_holder(state_dir: Path, kernel: bool, msg: dict) -> tuple[socket.socket, dict]:
-    """Send a session's open to the holder (started if none runs): its connection and reply."""
-    name = holder_name(state_dir, kernel)
-    for _attempt in range(3):
+    """Send a session's open to the holder (started if none runs): its connection and
+    reply. A name found taken by someone else is given up for a new token's."""
+    token = _read_token(state_dir) or _new_token(state_dir, None)
+    for _attempt in range(6):
+        name = holder_name(state_dir, kernel, token)
         try:
-            conn = _connect(name)
-        except (ConnectionRefusedError, FileNotFoundError):
-            _start_holder(state_dir, kernel, name)
+            try:
+                conn = _connect(name)
+            except (ConnectionRefusedError, FileNotFoundError):
+                if _start_holder(state_dir, kernel, name) == "busy":
+                    conn = _connect_soon(name)  # ours, just started by another process; or a squatter's
+                else:
+                    continue
+        except _Squatted as e:
+            _note(state_dir, f"{e}; the holder moves to a new name")
+            token = _new_token(state_dir, token)
             continue
         try:
             send_fds(conn, msg)
@@ -107,6 +193,20 @@ def _open_on_holder(state_dir: Path, kernel: bool, msg: dict) -> tuple[socket.so
             raise RunnerError(f"cannot mount the instance: {reply['error']}")
         return conn, reply
     raise RunnerError(f"cannot reach the mount holder; see {state_dir}/holder.log")
+
+
+def _connect_soon(name: str, wait: float = 2.0) -> socket.socket:
+    """The holder at `name` once it listens (a new holder binds its name a moment before
+    it listens); _Squatted if nothing listens there by then: a bound socket that never
+    listens is someone else's."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            return _connect(name)
+        except (ConnectionRefusedError, FileNotFoundError):
+            if time.monotonic() > deadline:
+                raise _Squatted(f"@{name} is bound but nothing listens there") from None
+            time.sleep(0.02)
 
 
 class HolderSession(Session):

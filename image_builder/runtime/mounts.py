@@ -39,7 +39,7 @@ CLONE_NEWNET = 0x40000000
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
 MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC = 0x20, 0x400, 0x800, 0x1000, 0x4000
-MS_SLAVE, MS_RELATIME = 1 << 19, 1 << 21
+MS_PRIVATE, MS_SLAVE, MS_RELATIME = 1 << 18, 1 << 19, 1 << 21
 MNT_DETACH = 2
 PR_SET_PDEATHSIG = 1
 # A read-only remount of a bind mount must repeat these; in a user namespace they are locked.
@@ -236,6 +236,13 @@ def fuse_mount(image: str, offset: int, target: str) -> None:
 # --- a run's root: what its init (native/init.c) is given -------------------------------------
 
 DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")
+# /proc files that tell of the host, hidden (runc's maskedPaths, the page-frame tables, kernel memory layout),
+# and those writable by uid 0, read-only (runc's readonlyPaths). native/init.c has the same
+# lists for runs; the build sandbox uses these (tests/test_envbuild.py checks they agree).
+PROC_MASKED = ("acpi", "asound", "kcore", "keys", "latency_stats", "timer_list", "timer_stats", "sched_debug",
+               "scsi", "kpageflags", "kpagecount", "kpagecgroup", "interrupts", "slabinfo", "vmallocinfo",
+               "pagetypeinfo")
+PROC_READONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs")
 
 
 class RootSpec:
@@ -255,7 +262,7 @@ class RootSpec:
         self.userxattr = userxattr
         self.network = network
         self.binds = binds  # (host path, path inside, read-only)
-        self.scratch_mb = scratch_mb  # size of the tmpfs under the writable layer (default: half the RAM)
+        self.scratch_mb = scratch_mb  # caps each tmpfs of a root (init.c sizes them from the memory limit)
         self.upper = upper  # a kept upper directory (shell with persist) instead of the tmpfs
         self.cgroup = cgroup  # this run's cgroup directory (v2, or v1 pids), if any
         self.netns = netns  # a network namespace (fd) to join when not network; None: make one

@@ -22,6 +22,8 @@ import enum
 import os
 import select
 import socket
+import stat
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +45,9 @@ class InstanceLayers:
     overlays: tuple[Path, ...]  # instance .sqfs layers, bottom to top (usually one)
     env: dict[str, str]  # image environment variables
     workdir: str = "/"
+    # sha256 of env_sif, then of each overlay, as the store's index records them ("sha256:..."):
+    # open_session checks them once per node (checked.py); () checks nothing.
+    digests: tuple[str, ...] = ()
 
 
 class Backend(str, enum.Enum):
@@ -69,8 +74,113 @@ def build_job(layers: InstanceLayers, request: RunRequest, max_processes: int) -
 
 
 def stdin_fd(data: bytes | None) -> int:
-    """A regular file (memfd) holding the input, as judges give it: os.fstat(0).st_size works."""
+    """A regular file (memfd) holding the input, as judges give it: os.fstat(0).st_size works.
+    Inside Session.stream, without data: the stream's stdin."""
+    relay = getattr(_streaming, "relay", None)
+    if data is None and relay is not None and relay.stdin is not None:
+        import fcntl
+
+        return fcntl.fcntl(relay.stdin, fcntl.F_DUPFD_CLOEXEC, 0)
     return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC) if data is None else memfd_with(data)
+
+
+# --- streaming: Session.stream ------------------------------------------------------------------
+
+_STDERR_TAIL = 4096  # bytes of a streamed stderr kept for the out-of-memory verdict (build_result)
+
+
+class OutputCapped(Exception):
+    """A streamed run wrote more than its max_output to `stream` ("stdout" or "stderr");
+    the run was stopped."""
+
+    def __init__(self, stream: str, limit: int):
+        super().__init__(f"{stream} went over {limit} bytes")
+        self.stream = stream
+        self.limit = limit
+
+
+@dataclass
+class _Relay:
+    stdin: int | None  # what the run gets as stdin (see _stdin_for_run), or None: /dev/null
+    stdout: int
+    stderr: int
+    used: bool = False  # collect() passed the output on (a backend may answer without running anything)
+
+
+# Session.stream's relay for the calling thread. Backends call collect() and stdin_fd()
+# from the thread that called run(), so every backend streams without knowing it, and
+# runs from other threads (an Executor's) keep collecting into memory.
+_streaming = threading.local()
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        try:
+            data = data[os.write(fd, data):]
+        except BlockingIOError:  # a terminal left non-blocking by another program: wait for room
+            select.select([], [fd], [])
+
+
+def _stdin_for_run(fd: int | None) -> tuple[int | None, object]:
+    """What a streamed run may be given of this process's `fd` as its stdin, and what to
+    call when it is over. Never the host's own file or device: a regular file could be
+    reopened for writing through /proc/self/fd/0 from inside, a terminal takes TIOCSTI
+    (typing into the user's shell), a socket reaches the host's network. So: a pipe as
+    it is (streams, as in a shell pipeline), a terminal or /dev/null as /dev/null, a
+    regular file copied to an unlinked temporary file (a regular file, as judges want;
+    on disk, not in memory), anything else copied into a pipe by a thread."""
+    if fd is None:
+        return None, lambda: None
+    try:
+        st = os.fstat(fd)
+    except OSError:  # closed: nothing to read
+        return None, lambda: None
+    if os.isatty(fd) or (stat.S_ISCHR(st.st_mode) and st.st_rdev == os.stat(os.devnull).st_rdev):
+        return None, lambda: None
+    if stat.S_ISFIFO(st.st_mode):
+        return fd, lambda: None
+    if stat.S_ISREG(st.st_mode):
+        import tempfile
+
+        spool = tempfile.TemporaryFile()  # O_TMPFILE where it can: never has a name another user could open
+        try:
+            while True:
+                try:
+                    n = os.sendfile(spool.fileno(), fd, None, 1 << 30)
+                except OSError:  # a file system without sendfile: plain copies, 1 MiB at a time
+                    n = os.write(spool.fileno(), os.read(fd, 1 << 20))
+                if not n:
+                    break
+            spool.seek(0)
+        except OSError as e:
+            spool.close()
+            raise RunnerError(f"cannot copy stdin for the run: {e}") from None
+        return spool.fileno(), spool.close
+    read_end, write_end = os.pipe2(os.O_CLOEXEC)
+    stop_r, stop_w = os.pipe2(os.O_CLOEXEC)
+
+    def pump() -> None:
+        try:
+            while select.select([fd, stop_r], [], [])[0] == [fd]:
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    break
+                _write_all(write_end, memoryview(chunk))
+        except OSError:  # the run closed its stdin (EPIPE), or ours went away
+            pass
+        finally:
+            os.close(write_end)
+            os.close(stop_r)
+
+    thread = threading.Thread(target=pump, name="image-builder-stdin", daemon=True)
+    thread.start()
+
+    def stop() -> None:
+        os.close(read_end)  # a pump stuck writing gets EPIPE
+        os.close(stop_w)  # one waiting for input wakes; either closes its ends
+        thread.join(1.0)
+
+    return read_end, stop
 
 
 @dataclass
@@ -85,9 +195,17 @@ def collect(out_r: int, err_r: int, max_output: int, deadline: float | None,
             conn: socket.socket | None = None, done=None) -> Captured:
     """Drain stdout and stderr (keeping max_output bytes of each) until both close and,
     with `conn`, a reply arrived; TimeoutError at `deadline`. `done()` is called while
-    nothing happens (the extract backend watches its command there)."""
+    nothing happens (the extract backend watches its command there). Inside
+    Session.stream, the output goes to the stream's descriptors instead (stderr's tail
+    kept), and OutputCapped is raised past max_output of either (0: no limit): the
+    caller's cleanup on an exception stops the run, as it does for a Ctrl-C."""
     got = Captured()
     bufs = {out_r: got.stdout, err_r: got.stderr}
+    relay = getattr(_streaming, "relay", None)
+    sinks = {out_r: relay.stdout, err_r: relay.stderr} if relay else {}
+    if relay:
+        relay.used = True
+    sent = {out_r: 0, err_r: 0}
     poller = select.poll()
     for fd in (out_r, err_r) + ((conn.fileno(),) if conn else ()):
         poller.register(fd, select.POLLIN)
@@ -116,6 +234,12 @@ def collect(out_r: int, err_r: int, max_output: int, deadline: float | None,
                 poller.unregister(fd)
                 pending -= 1
                 continue
+            if relay:
+                _relay(chunk, fd, sinks[fd], sent, max_output, "stdout" if fd == out_r else "stderr")
+                if fd == err_r:
+                    got.stderr += chunk
+                    del got.stderr[:-_STDERR_TAIL]
+                continue
             buf = bufs[fd]
             room = max_output - len(buf)
             if len(chunk) > room:
@@ -123,6 +247,15 @@ def collect(out_r: int, err_r: int, max_output: int, deadline: float | None,
                 chunk = chunk[:max(room, 0)]
             buf += chunk
     return got
+
+
+def _relay(chunk: bytes, fd: int, sink: int, sent: dict[int, int], limit: int, name: str) -> None:
+    """Pass `chunk` of stream `fd` on to `sink`, up to `limit` bytes in all (0: no limit)."""
+    room = limit - sent[fd] if limit else len(chunk)
+    _write_all(sink, memoryview(chunk)[:max(room, 0)])
+    sent[fd] += len(chunk)
+    if len(chunk) > room:
+        raise OutputCapped(name, limit)
 
 
 def build_result(got: Captured, request: RunRequest, wall: float, exit_code: int | None, sig: int | None,
@@ -149,6 +282,28 @@ class Session:
 
     def run(self, request: RunRequest) -> RunResult:
         raise NotImplementedError
+
+    def stream(self, request: RunRequest, stdin: int | None = None, stdout: int = 1, stderr: int = 2) -> RunResult:
+        """run(), with the output passed on to the descriptors `stdout` and `stderr` as it
+        comes instead of kept (a command line's way: memory stays flat whatever the run
+        prints). Past request.max_output bytes of either (0: no limit) the run is stopped
+        and OutputCapped raised. `stdin` (without request.stdin): a descriptor to read
+        the input from as the run does (see _stdin_for_run for what the run is given
+        of it). The result's stdout is empty and its stderr the last 4 KiB. Output
+        descriptors that stop taking data (EPIPE) end the run with BrokenPipeError."""
+        if request.stdin is not None:
+            stdin = None
+        given, release = _stdin_for_run(stdin)
+        relay = _streaming.relay = _Relay(given, stdout, stderr)
+        try:
+            result = self.run(request)
+        finally:
+            _streaming.relay = None
+            release()
+        if not relay.used:  # answered without collect(), e.g. extract's "command not found": pass that on
+            _write_all(stdout, memoryview(result.stdout))
+            _write_all(stderr, memoryview(result.stderr))
+        return result
 
     def shell(self, argv: tuple[str, ...] = ("/bin/sh",), persist: Path | None = None, *,
               network: bool = False) -> int:

@@ -25,6 +25,7 @@ from pathlib import Path
 from image_builder import __version__
 from image_builder.errors import ImageBuilderError
 from .files import atomic_write
+from .ids import id_problem, shown_id
 
 SCHEMA_VERSION = 1
 INDEX_NAME = "index.json"
@@ -99,6 +100,50 @@ def _record(cls, types: dict, doc: object, where: str):
         raise IndexError_(f"{where}: {e}") from e
 
 
+def _store_path(rel: str | None, directory: str, suffix: str, where: str) -> None:
+    """A path the index records must name a file in the store's `directory`: graders mount it, verify hashes it."""
+    if rel is None:
+        return
+    parts = rel.split("/")
+    _check(len(parts) == 2 and parts[0] == directory and parts[1].endswith(suffix) and len(parts[1]) > len(suffix)
+           and not parts[1].startswith(".") and "\0" not in rel, where,
+           f"{rel!r} is not a file {directory}/NAME{suffix} of the store; the index is damaged or was not "
+           "written by image-builder: rebuild it (image-builder build CATALOG --store STORE)")
+
+
+def _no_nul(value: str | None, where: str) -> None:
+    _check(value is None or "\0" not in value, where, "holds a NUL character")
+
+
+def _checked_env(rec: EnvRecord, key: str, where: str) -> EnvRecord:
+    problem = id_problem(key)
+    _check(problem is None, where, f"environment name {shown_id(key)} {problem}")
+    _check(rec.name == key, f"{where}.name", f"is {rec.name!r}, not the key {key!r}")
+    _store_path(rec.sif, "envs", ".sif", f"{where}.sif")
+    _check(rec.size >= 0, f"{where}.size", "is negative")
+    for k, v in rec.env.items():  # the runtime puts these in every run's environment
+        _check(isinstance(k, str) and k and "=" not in k and "\0" not in k and isinstance(v, str) and "\0" not in v,
+               f"{where}.env", f"{k!r}: variables must be NAME: string, without '=' in NAME or NUL")
+    return rec
+
+
+def _checked_instance(rec: InstanceRecord, key: str, where: str) -> InstanceRecord:
+    problem = id_problem(key)
+    _check(problem is None, where, f"instance id {shown_id(key)} {problem}")
+    _check(rec.id == key, f"{where}.id", f"is {rec.id!r}, not the key {key!r}")
+    _store_path(rec.sqfs, "instances", ".sqfs", f"{where}.sqfs")
+    _check(rec.size >= 0, f"{where}.size", "is negative")
+    _no_nul(rec.workdir, f"{where}.workdir")
+    _no_nul(rec.test_command, f"{where}.test_command")
+    return rec
+
+
+def _mapping(doc: dict, key: str, where: str) -> dict:
+    value = doc.get(key) or {}
+    _check(isinstance(value, dict), f"{where}.{key}", f"must be an object, not a {type(value).__name__}")
+    return value
+
+
 def parse_index(doc: object, where: str) -> Index:
     """Check a parsed index.json against the schema (index/schema.json) and build the records."""
     _check(isinstance(doc, dict), where, "must be a JSON object")
@@ -107,25 +152,39 @@ def parse_index(doc: object, where: str) -> Index:
            f"is {version!r}; this image-builder reads version {SCHEMA_VERSION}: upgrade it or rebuild the index")
     for key in sorted(set(doc) - {"schema_version", "builder_version", "created", "environments", "instances"})[:1]:
         raise IndexError_(f"{where}: unknown field {key!r}")
-    envs = {k: _record(EnvRecord, _ENV_TYPES, v, f"{where}.environments[{k!r}]")
-            for k, v in (doc.get("environments") or {}).items()}
-    insts = {k: _record(InstanceRecord, _INST_TYPES, v, f"{where}.instances[{k!r}]")
-             for k, v in (doc.get("instances") or {}).items()}
+    created, builder = doc.get("created", 0), doc.get("builder_version", "")
+    _check(isinstance(created, int) and not isinstance(created, bool), f"{where}.created", "must be an integer")
+    _check(isinstance(builder, str), f"{where}.builder_version", "must be a string")
+    envs = {k: _checked_env(_record(EnvRecord, _ENV_TYPES, v, f"{where}.environments[{shown_id(k)}]"), k,
+                            f"{where}.environments[{shown_id(k)}]")
+            for k, v in _mapping(doc, "environments", where).items()}
+    insts = {k: _checked_instance(_record(InstanceRecord, _INST_TYPES, v, f"{where}.instances[{shown_id(k)}]"), k,
+                                  f"{where}.instances[{shown_id(k)}]")
+             for k, v in _mapping(doc, "instances", where).items()}
     for k, inst in insts.items():
         _check(inst.environment in envs, f"{where}.instances[{k!r}].environment",
                f"names {inst.environment!r}, which the index does not hold")
-    return Index(envs, insts, str(doc.get("builder_version", "")), int(doc.get("created", 0)))
+    return Index(envs, insts, builder, created)
+
+
+def load_json(path: Path, what: str = "file") -> object:
+    """A JSON file of the store, or an IndexError_ of one line: not UTF-8, not JSON, or nested too deep."""
+    try:
+        return json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        why = "nested too deeply" if isinstance(e, RecursionError) else " ".join(str(e).split())
+        raise IndexError_(f"{path}: not a valid JSON {what} ({why}); rebuild with image-builder build") from e
 
 
 def read_index(store: Path) -> Index:
     path = Path(store) / INDEX_NAME
     try:
-        doc = json.loads(path.read_bytes())
+        doc = load_json(path, "index")
     except FileNotFoundError:
         raise IndexError_(f"{path}: no index; build the store first (image-builder build CATALOG --store "
                           f"{store})") from None
-    except ValueError as e:
-        raise IndexError_(f"{path}: not valid JSON ({e}); rebuild with image-builder build") from e
+    except OSError as e:
+        raise IndexError_(f"{path}: cannot read the index: {e.strerror}") from None
     return parse_index(doc, str(path))
 
 
@@ -183,10 +242,15 @@ def lookup(store: Path, instance_id: str) -> tuple[InstanceRecord, EnvRecord] | 
         inst = db.execute("SELECT doc FROM inst WHERE id=?", (instance_id,)).fetchone()
         if inst is None:
             raise KeyError(instance_id)
-        record = InstanceRecord(**json.loads(inst[0]))
+        # A derived copy, checked as the JSON is: a damaged or tampered row falls back to index.json.
+        record = _checked_instance(_record(InstanceRecord, _INST_TYPES, json.loads(inst[0]), LOOKUP_NAME),
+                                   instance_id, LOOKUP_NAME)
         env = db.execute("SELECT doc FROM env WHERE name=?", (record.environment,)).fetchone()
-        return record, EnvRecord(**json.loads(env[0]))
-    except sqlite3.Error:
+        if env is None:
+            return None
+        return record, _checked_env(_record(EnvRecord, _ENV_TYPES, json.loads(env[0]), LOOKUP_NAME),
+                                    record.environment, LOOKUP_NAME)
+    except (sqlite3.Error, ValueError, RecursionError, TypeError, IndexError_):
         return None
     finally:
         db.close()

@@ -11,6 +11,10 @@
 
 Every path the index records is relative to STORE, so a store can be copied
 or rsynced to a shared filesystem and still resolve.
+
+Ids (environment names, instance ids) become file names here (StorePaths) and
+nowhere else, by the rule of ids.py, checked where ids are read (catalogs,
+datasets, the index) and again here.
 """
 
 from __future__ import annotations
@@ -22,7 +26,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from image_builder.errors import ImageBuilderError
+from .ids import MAX_FILE_NAME, file_name, id_problem, shown_id
 from .index import INDEX_NAME, Index, IndexError_, lookup, read_index
+
+def _path_name(ident: str) -> str:
+    # The last check before an id touches the filesystem, for callers that did not validate (CLI arguments).
+    problem = id_problem(ident, MAX_FILE_NAME + 16)  # room for the "inst-"/"env-" of work trees and locks
+    if problem:
+        raise ImageBuilderError(f"{shown_id(ident)} is not a valid environment or instance id: it {problem}")
+    return file_name(ident)
 
 
 def remove_tree(path: Path) -> None:
@@ -61,22 +73,26 @@ class StorePaths:
     root: Path
 
     def env_sif(self, name: str) -> Path:
-        return self.root / "envs" / f"{name}.sif"
+        return self.root / "envs" / f"{_path_name(name)}.sif"
 
     def instance_sqfs(self, instance_id: str) -> Path:
-        return self.root / "instances" / f"{instance_id}.sqfs"
+        return self.root / "instances" / f"{_path_name(instance_id)}.sqfs"
 
     def env_logs(self, name: str) -> Path:
-        return self.root / "logs" / "envs" / name
+        return self.root / "logs" / "envs" / _path_name(name)
 
     def instance_log(self, instance_id: str) -> Path:
-        return self.root / "logs" / "instances" / f"{instance_id}.log"
+        return self.root / "logs" / "instances" / f"{_path_name(instance_id)}.log"
 
     def failed_env(self, name: str) -> Path:
-        return self.root / "failed" / "envs" / name
+        return self.root / "failed" / "envs" / _path_name(name)
 
     def work(self, name: str) -> Path:
-        return self.root / "work" / f"{name}@{socket.gethostname()}@{os.getpid()}"
+        return self.root / "work" / f"{_path_name(name)}@{socket.gethostname()}@{os.getpid()}"
+
+    def lock(self, name: str, suffix: str = ".lock") -> Path:
+        """locks/<name>.lock: per-item build locks ("env-NAME", "inst-ID", "index")."""
+        return self.root / "locks" / f"{_path_name(name)}{suffix}"
 
     def relative(self, path: Path) -> str:
         return str(path.relative_to(self.root))
@@ -93,6 +109,7 @@ class ResolvedInstance:
     workdir: str
     test_command: str | None
     grader: dict
+    digests: tuple[str, ...] = ()  # sha256 of env_sif, then of each overlay, as the index records them
 
     @property
     def layers(self) -> tuple[Path, ...]:
@@ -140,8 +157,9 @@ class Store:
             found = inst, self.index.environments[inst.environment]
         inst, env = found
         overlays = (self.root / inst.sqfs,) if inst.sqfs else ()
+        digests = (env.sha256, *((inst.sha256,) if inst.sqfs else ()))
         return ResolvedInstance(inst.id, inst.environment, self.root / env.sif, overlays, env.env, inst.workdir,
-                                inst.test_command, inst.grader)
+                                inst.test_command, inst.grader, digests)
 
 
 @dataclass
@@ -194,13 +212,17 @@ def gc(store: Store, *, keep_failed: bool = False) -> list[str]:
             if p.exists():
                 p.unlink()
                 removed.append(str(p.relative_to(store.root)))
+    # An id may itself hold ".tmp-": what the index names, and its record, is never a temporary.
+    keep = referenced | {str(Path(rel).with_suffix(".json")) for rel in referenced}
+    keep |= {store.paths.relative(store.paths.instance_sqfs(i).with_suffix(".json")) for i in index.instances}
     for sub in ("envs", "instances"):
-        for p in (store.root / sub).glob(".*") if (store.root / sub).is_dir() else ():
-            p.unlink()  # temporary files of interrupted writes
-            removed.append(str(p.relative_to(store.root)))
-        for p in (store.root / sub).glob("*.tmp-*") if (store.root / sub).is_dir() else ():
-            p.unlink()
-            removed.append(str(p.relative_to(store.root)))
+        temporaries = set()
+        if (store.root / sub).is_dir():
+            temporaries = {*(store.root / sub).glob(".*"), *(store.root / sub).glob("*.tmp-*")}
+        for p in sorted(temporaries):  # temporary files of interrupted writes
+            if str(p.relative_to(store.root)) not in keep:
+                remove_tree(p)
+                removed.append(str(p.relative_to(store.root)))
     removed += remove_dead_work(store.root)
     failed = store.root / "failed"
     if failed.is_dir() and not keep_failed:

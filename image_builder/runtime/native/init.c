@@ -66,6 +66,10 @@
 #define AT_RECURSIVE 0x8000
 #endif
 #define CLOSE_RANGE_CLOEXEC 4
+#define FSPICK_CLOEXEC 0x1
+#define FSPICK_EMPTY_PATH 0x8
+#define FSCONFIG_SET_STRING 1
+#define FSCONFIG_CMD_RECONFIGURE 7
 struct mount_attr {
     uint64_t attr_set, attr_clr, propagation, userns_fd;
 };
@@ -266,16 +270,53 @@ static int bind_at(const char *src, int target, int readonly) {
 
 /* --- the root --------------------------------------------------------------------------- */
 
-static const char *const PROC_READONLY[] = {"sys", "sysrq-trigger", "irq", "bus", "fs"}; /* writable by uid 0 */
-static const char *const PROC_MASKED[] = {"kcore", "keys", "timer_list", "sched_debug"}; /* host information */
+/* For the kernel backend, where root inside is host root (runtime.mounts has the same lists,
+   for builds). Read-only: what uid 0 may write (runc's readonlyPaths). Masked: host
+   information (runc's maskedPaths, docker's /proc/interrupts) and what only uid 0 may read
+   (0400: the page-frame tables, slabinfo, vmallocinfo, pagetypeinfo); a file gets /dev/null
+   bound over it, a directory an empty read-only one. One bind each, 7-9 us of CPU (a
+   missing one: its failed lookup, 1 us); 10 exist here, 2 of the old list did: a fresh
+   root as root costs about 75 us more for them (of 0.93 ms). */
+static const char *const PROC_READONLY[] = {"sys", "sysrq-trigger", "irq", "bus", "fs"};
+static const char *const PROC_MASKED[] = {"acpi", "asound", "kcore", "keys", "latency_stats", "timer_list",
+                                          "timer_stats", "sched_debug", "scsi", "kpageflags", "kpagecount",
+                                          "kpagecgroup", "interrupts", "slabinfo", "vmallocinfo", "pagetypeinfo"};
 
-/* As pid 1 of a new pid namespace: build the run's root and move into it, ending as
-   root of a nested user namespace that owns nothing: the run can mount, unmount or
-   remount nothing (the layers and /proc masks stay put), and real root (kernel backend)
-   keeps no capability on the host. Sets descriptors of the run's cgroup (the host's
-   /sys is gone afterwards) and of the writable layer's top (out of reach by path). */
-static int enter_root(const struct spec *s, int *cgroup, int *upper_fd) {
-    char size[64] = "", opts[3 * PATH_MAX], path[PATH_MAX], upper[PATH_MAX], work[PATH_MAX];
+/* The tmpfs under the writable layer, /tmp and /dev/shm share the run's memory limit, a
+   half, a quarter and a quarter: their pages are memory, which a v2 memory cgroup counts
+   but RLIMIT_AS (the limit on v1, as here) does not, so the sizes are the bound. Of each
+   share an eighth is for inodes, which size= does not count: an empty file costs about
+   1 KB (100,000 of them: 101 MB more slab). Past that a run gets ENOSPC. A session's
+   scratch_mb caps each share, and without a limit is each one's size. The job brings the
+   limit: finish_root() resizes them. */
+#define DEFAULT_SCRATCH_MB 4096 /* the three together, for a run without a memory limit */
+enum { LAYER, TMP, SHM };
+static const int SCRATCH_PART[3] = {2, 4, 4}; /* the share: 1/2, 1/4, 1/4 of the limit */
+
+/* The size options of each tmpfs for a memory limit (MB, <= 0: none), "size=NNk,nr_inodes=N". */
+static void scratch_sizes(const struct spec *s, int64_t memory_mb, char out[3][64]) {
+    long long budget = memory_mb > 0 ? (memory_mb < (1LL << 30) ? memory_mb : 1LL << 30) : DEFAULT_SCRATCH_MB;
+    long long cap = *s->scratch_mb ? atoll(s->scratch_mb) : 0;
+    if (cap > 1LL << 30)
+        cap = 1LL << 30;
+    for (int i = 0; i < 3; i++) {
+        long long kb = (budget << 10) / SCRATCH_PART[i];
+        if (cap > 0 && (kb > cap << 10 || memory_mb <= 0))
+            kb = cap << 10;
+        long long inodes = kb / 8 > 16 ? kb / 8 : 16; /* never 0: that is no limit */
+        snprintf(out[i], sizeof out[i], "size=%lldk,nr_inodes=%lld", kb - kb / 8, inodes);
+    }
+}
+
+/* As pid 1 of a new pid namespace: build the run's root and move into it; finish_root()
+   then ends as root of a nested user namespace that owns nothing: the run can mount,
+   unmount or remount nothing (the layers, /proc masks and tmpfs sizes stay put), and real
+   root (kernel backend) keeps no capability on the host. Sets descriptors of the run's
+   cgroup (the host's /sys is gone afterwards), of the writable layer's top, of the three
+   tmpfs (opened as mounted: a bind over /tmp must not be what finish_root resizes), and of
+   the message queues (out of reach by path). */
+static int enter_root(const struct spec *s, int *cgroup, int *upper_fd, int scratch_fd[3], int *mqueue_fd) {
+    char sizes[3][64], opts[3 * PATH_MAX], path[PATH_MAX], upper[PATH_MAX], work[PATH_MAX];
     struct stat st;
     int isolated = !s->network && s->netns < 0;
     if (unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS | (isolated ? CLONE_NEWNET : 0)))
@@ -288,11 +329,17 @@ static int enter_root(const struct spec *s, int *cgroup, int *upper_fd) {
         return -1;
     if (chdir(s->base))
         return fail("chdir %s: %s", s->base, strerror(errno));
-    if (*s->scratch_mb)
-        snprintf(size, sizeof size, ",size=%sm", s->scratch_mb);
-    snprintf(opts, sizeof opts, "mode=755%s", size);
+    scratch_sizes(s, 0, sizes);
+    snprintf(opts, sizeof opts, "mode=755,%s", sizes[LAYER]);
     if (do_mount("scratch", "s", "tmpfs", MS_NOSUID | MS_NODEV, opts))
         return -1;
+    if ((scratch_fd[LAYER] = open("s", O_PATH | O_DIRECTORY | O_CLOEXEC)) < 0)
+        return fail("open the scratch tmpfs: %s", strerror(errno));
+    /* This ipc namespace's POSIX message queues, for traces(), out of the run's sight (ENODEV:
+       a kernel without them; the directory stays empty). */
+    if (mkdir("s/q", 0700) || (mount("mqueue", "s/q", "mqueue", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) &&
+                               errno != ENODEV) || (*mqueue_fd = open("s/q", O_PATH | O_DIRECTORY | O_CLOEXEC)) < 0)
+        return fail("mqueue on s/q: %s", strerror(errno));
     if (*s->upper) { /* a kept writable layer (shell --persist) */
         snprintf(upper, sizeof upper, "%s/upper", s->upper);
         snprintf(work, sizeof work, "%s/work", s->upper);
@@ -325,15 +372,19 @@ static int enter_root(const struct spec *s, int *cgroup, int *upper_fd) {
             return -1;
         close(fd);
     }
-    snprintf(opts, sizeof opts, "mode=1777%s", size);
+    snprintf(opts, sizeof opts, "mode=1777,%s", sizes[TMP]);
     /* Without a kept layer, /tmp is emptied after each run: a run that wrote only there leaves no trace. */
-    if (!*s->upper && do_mount("tmp", "tmp", "tmpfs", MS_NOSUID | MS_NODEV, opts))
-        return -1;
+    if (!*s->upper && (do_mount("tmp", "tmp", "tmpfs", MS_NOSUID | MS_NODEV, opts) ||
+                       (scratch_fd[TMP] = open("tmp", O_PATH | O_DIRECTORY | O_CLOEXEC)) < 0))
+        return fail("open /tmp: %s", strerror(errno));
     if (do_mount("proc", "proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL))
         return -1;
     if (!s->userxattr) { /* root inside is host root: its files there are not for the run */
-        char devnull[PATH_MAX];
+        char devnull[PATH_MAX], empty[PATH_MAX];
         snprintf(devnull, sizeof devnull, "%s/dev/null", s->base);
+        /* An empty directory of the /dev template, read-only in its superblock, so in any bind
+           (pts: where each root mounts its own devpts, on its copy of the template). */
+        snprintf(empty, sizeof empty, "%s/dev/pts", s->base);
         for (size_t i = 0; i < sizeof PROC_READONLY / sizeof *PROC_READONLY; i++) {
             snprintf(path, sizeof path, "proc/%s", PROC_READONLY[i]);
             if (!stat(path, &st) && bind_readonly(path, path))
@@ -341,15 +392,19 @@ static int enter_root(const struct spec *s, int *cgroup, int *upper_fd) {
         }
         for (size_t i = 0; i < sizeof PROC_MASKED / sizeof *PROC_MASKED; i++) {
             snprintf(path, sizeof path, "proc/%s", PROC_MASKED[i]);
-            if (!stat(path, &st) && do_mount(devnull, path, NULL, MS_BIND, NULL))
-                return -1;
+            /* Tried, not stat()ed first: most exist. A directory refuses a file (ENOTDIR). */
+            if (mount(devnull, path, NULL, MS_BIND, NULL) && errno != ENOENT &&
+                (errno != ENOTDIR || mount(empty, path, NULL, MS_BIND, NULL)))
+                return fail("mask /proc/%s: %s", PROC_MASKED[i], strerror(errno));
         }
     }
     snprintf(path, sizeof path, "%s/dev", s->base);
+    snprintf(opts, sizeof opts, "mode=1777,%s", sizes[SHM]);
     if (do_mount(path, "dev", NULL, MS_BIND | MS_REC, NULL) ||
         do_mount("devpts", "dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620") ||
-        do_mount("shm", "dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, opts))
-        return -1;
+        do_mount("shm", "dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, opts) ||
+        (scratch_fd[SHM] = open("dev/shm", O_PATH | O_DIRECTORY | O_CLOEXEC)) < 0)
+        return fail("open /dev/shm: %s", strerror(errno));
     if (*s->console && do_mount(s->console, "dev/console", NULL, MS_BIND, NULL))
         return -1;
     for (int i = 0; i < s->nbinds; i++) {
@@ -375,6 +430,39 @@ static int enter_root(const struct spec *s, int *cgroup, int *upper_fd) {
         return fail("pivot_root: %s", strerror(errno));
     if (umount2(".", MNT_DETACH) || chdir("/"))
         return fail("detach the host's root: %s", strerror(errno));
+    return 0;
+}
+
+/* The rest, at the first job (it brings the memory limit): size the three tmpfs for it
+   (scratch_sizes) while this init still may, then drop into a nested user namespace that
+   owns nothing. A reused init gets only jobs with the limit of its first (the session's
+   key), so this is done once. Resizing a detached mount takes fspick (mount(2) wants it
+   in this namespace): about 7 us a tmpfs, and only where the size changes. */
+static int finish_root(const struct spec *s, const struct job *j, const int scratch_fd[3]) {
+    char before[3][64], sizes[3][64];
+    scratch_sizes(s, 0, before);
+    scratch_sizes(s, j->memory_mb, sizes);
+    for (int i = 0; i < 3; i++) {
+        if (!strcmp(before[i], sizes[i]) || scratch_fd[i] < 0) /* -1: a kept layer's /tmp, in it */
+            continue;
+        int fc = (int)syscall(SYS_fspick, scratch_fd[i], "", FSPICK_EMPTY_PATH | FSPICK_CLOEXEC);
+        int r = fc < 0 ? -1 : 0;
+        for (char *opt = sizes[i], *next; !r && opt; opt = next) {
+            char *eq = strchr(opt, '=');
+            if ((next = strchr(opt, ',')))
+                *next++ = 0;
+            *eq = 0;
+            r = (int)syscall(SYS_fsconfig, fc, FSCONFIG_SET_STRING, opt, eq + 1, 0);
+        }
+        if (!r)
+            r = (int)syscall(SYS_fsconfig, fc, FSCONFIG_CMD_RECONFIGURE, NULL, NULL, 0);
+        int e = errno;
+        if (fc >= 0)
+            close(fc);
+        if (r)
+            return fail("size the %s tmpfs for the memory limit: %s", i == LAYER ? "writable layer's" : i == TMP ?
+                        "/tmp" : "/dev/shm", strerror(e));
+    }
     if (unshare(CLONE_NEWUSER))
         return fail("unshare the user namespace: %s", strerror(errno));
     if (write_file(AT_FDCWD, "/proc/self/setgroups", "deny") || write_file(AT_FDCWD, "/proc/self/uid_map", "0 0 1") ||
@@ -468,13 +556,17 @@ static const char *const SCRATCH_DIRS[] = {"/tmp", "/dev/shm"}; /* tmpfs of a ru
 /* What a run could leave for the next run in the same root: entries, owner, mode,
    xattrs and times of the writable layer's directories (mark_layer, checked first: most
    runs that leave a trace leave it there), then (here) the same but times of /tmp and
-   /dev/shm (tmpfs of their own, emptied after each run), SysV IPC objects, and keys
-   (counted per user of this user namespace). What else it could change, it cannot: it
-   owns no namespace. */
-static void traces(struct buf *b) {
+   /dev/shm (tmpfs of their own, emptied after each run), POSIX message queues (a run
+   that leaves one gets a fresh root), SysV IPC objects, and keys (counted per user of
+   this user namespace). What else it could change, it cannot: it owns no namespace.
+   The queues: `mqueues` is the root of this ipc namespace's mqueue file system, whose
+   size counts them (DIRENT_SIZE each, ipc/mqueue.c): one fstat, under 1 us, where a
+   listing took 4-6 us a run and a fresh ipc namespace for each run 20-30 us. */
+static void traces(struct buf *b, int mqueues) {
     static const char *const proc[] = {"/proc/sysvipc/shm", "/proc/sysvipc/msg", "/proc/sysvipc/sem",
                                        "/proc/key-users"};
     char chunk[4096];
+    struct stat st;
     for (size_t i = 0; i < 2; i++) {
         int fd = open(SCRATCH_DIRS[i], O_RDONLY | O_DIRECTORY | O_CLOEXEC);
         if (fd < 0) {
@@ -484,6 +576,10 @@ static void traces(struct buf *b) {
         mark_dir(b, fd, 0);
         close(fd);
     }
+    if (fstat(mqueues, &st))
+        put(b, "?", 1);
+    else
+        put(b, &st.st_size, sizeof st.st_size);
     for (size_t i = 0; i < 4; i++) { /* a kernel without SysV IPC or keys: nothing to leave there */
         int fd = open(proc[i], O_RDONLY | O_CLOEXEC);
         for (ssize_t n; fd >= 0 && (n = read(fd, chunk, sizeof chunk)) > 0;)
@@ -936,26 +1032,17 @@ int main(int argc, char **argv) {
     sigprocmask(SIG_BLOCK, &chld, NULL);
     if ((children = signalfd(-1, &chld, SFD_CLOEXEC | SFD_NONBLOCK)) < 0)
         return 2;
-    int cgroup = -1, upper = -1, setup = enter_root(&s, &cgroup, &upper);
+    int cgroup = -1, upper = -1, scratch[3] = {-1, -1, -1}, mqueues = -1, finished = 0;
+    int64_t sized_for = 0; /* the memory limit of the first job */
+    int setup = enter_root(&s, &cgroup, &upper, scratch, &mqueues);
     if (setup) {
         char why[sizeof error - 40]; /* room for the prefix */
         snprintf(why, sizeof why, "%.*s", (int)sizeof why - 1, error);
         snprintf(error, sizeof error, "cannot build the instance's root: %s", why);
     }
-    /* The command runs as the same uid as this init: it could ptrace the init (or read
-       /proc/1/fd) and forge the answer. Non-dumpable, the init can only be traced with
-       CAP_SYS_PTRACE in the namespace its memory was made in: the host's. (Not before
-       enter_root: its own /proc files become root's, uid_map included.) */
-    prctl(PR_SET_DUMPABLE, 0);
     struct buf pristine = {0}, now = {0};
     size_t pristine_top = 0;
     int may_reuse = scratch_emptiable(&s); /* whether this root can serve a next run at all */
-    if (!setup) {
-        if (mark_layer(&pristine, upper, 0, NULL))
-            may_reuse = 0;
-        pristine_top = pristine.len;
-        traces(&pristine);
-    }
     for (;;) {
         char *data = NULL;
         size_t len = 0;
@@ -965,8 +1052,29 @@ int main(int argc, char **argv) {
         int got = receive(&s, &data, &len, &owned, stdio);
         if (got > 0)
             return 0; /* EOF: the init was not needed, or the session is done with it */
-        if (!got && !setup && !decode_job(data, len, &j))
-            ran = run_job(&s, &j, stdio, cgroup, &r);
+        if (!got && !setup && !decode_job(data, len, &j)) {
+            if (!finished && !finish_root(&s, &j, scratch)) {
+                finished = 1;
+                sized_for = j.memory_mb;
+                for (int i = 0; i < 3; i++)
+                    if (scratch[i] >= 0)
+                        close(scratch[i]);
+                /* The command runs as the same uid as this init: it could ptrace the init (or
+                   read /proc/1/fd) and forge the answer. Non-dumpable, the init can only be
+                   traced with CAP_SYS_PTRACE in the namespace its memory was made in: the
+                   host's. (Not before finish_root: its own /proc files become root's, uid_map
+                   included.) */
+                prctl(PR_SET_DUMPABLE, 0);
+                if (mark_layer(&pristine, upper, 0, NULL))
+                    may_reuse = 0;
+                pristine_top = pristine.len;
+                traces(&pristine, mqueues);
+            } else if (finished && j.memory_mb != sized_for) /* the session keys reused inits by it */
+                fail("this root's tmpfs are sized for a memory limit of %lld MB, not %lld", (long long)sized_for,
+                     (long long)j.memory_mb);
+            if (finished && !error[0])
+                ran = run_job(&s, &j, stdio, cgroup, &r);
+        }
         free(j.argv);
         free(j.env);
         if (owned)
@@ -990,7 +1098,7 @@ int main(int argc, char **argv) {
         now.len = 0;
         if (!r.timed_out && r.oom < 0 && may_reuse) {
             if (!mark_layer(&now, upper, 0, &pristine) && now.len == pristine_top && !empty_scratch()) {
-                traces(&now);
+                traces(&now, mqueues);
                 reusable = now.len == pristine.len && !memcmp(now.data, pristine.data, now.len);
             }
         }

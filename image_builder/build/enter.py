@@ -1,0 +1,105 @@
+"""The build sandbox's privilege steps (sandbox.py runs them):
+
+- `map` (root builds, run as root with `python -S`): in a private mount namespace, bind
+  the host paths the build needs (the tree, the context, the images) where BUILD_UID can
+  reach them (a store under /root is not), then fork a child into a new user namespace,
+  map its root to BUILD_UID from here (the parent keeps the host's CAP_SETUID, which the
+  map needs; `unshare --map-users` would need newuidmap, which Debian leaves to the
+  uidmap package) and exec the rest of the sandbox as that root.
+- PIVOT (every build, inside the namespaces, after the mounts): make the tree the root of
+  the mount namespace and detach the host's, set no_new_privs, exec the command. It
+  replaces chroot, so the double-chroot breakout finds nothing to break out to. It is
+  source for `python -S -E -c`, run by the base interpreter: it imports nothing of this
+  package, which BUILD_UID may not be able to read.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from image_builder.runtime.mounts import CLONE_NEWNS, CLONE_NEWUSER, MS_BIND, MS_PRIVATE, MS_REC, mount, prctl, \
+    unshare, write_file
+
+PR_SET_NO_NEW_PRIVS = 38
+
+# argv: ROOT WORKDIR COMMAND...
+PIVOT = r"""
+import ctypes, os, sys
+root, workdir, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
+libc = ctypes.CDLL(None, use_errno=True)
+number = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "riscv64": 41, "s390x": 217}.get(os.uname().machine)
+def check(ret, what):
+    if ret != 0:
+        err = ctypes.get_errno()
+        sys.stderr.write(f"image-builder sandbox: {what}: {os.strerror(err)}\n")
+        os._exit(125)
+if number is None:
+    check(-1, f"pivot_root on {os.uname().machine}")
+os.chdir(root)
+check(libc.syscall(number, b".", b"."), f"pivot_root {root}")  # the old root now lies over the new
+check(libc.umount2(b".", 2), "detaching the host's root")  # MNT_DETACH
+os.chdir("/")
+check(libc.prctl(38, 1, 0, 0, 0), "no_new_privs")
+try:
+    os.chdir(workdir)
+    os.execv(argv[0], argv)
+except OSError as e:
+    sys.stderr.write(f"image-builder sandbox: {argv[0]} in {workdir}: {e.strerror}\n")
+    os._exit(127)
+"""
+
+
+def _fail(what: str) -> None:
+    sys.stderr.write(f"image-builder sandbox: {what}\n")
+    os._exit(125)
+
+
+def map_and_exec(uid: int, binds: list[tuple[str, str]], argv: list[str]) -> None:
+    try:
+        unshare(CLONE_NEWNS)
+        mount(None, "/", None, MS_REC | MS_PRIVATE)
+        for src, dest in binds:
+            mount(src, dest, None, MS_BIND | MS_REC)
+    except OSError as e:
+        _fail(f"cannot show the build its files: {e}")
+    parent_r, child_w = os.pipe()
+    child_r, parent_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(parent_r)
+            os.close(parent_w)
+            unshare(CLONE_NEWUSER)
+            os.write(child_w, b"u")
+            if os.read(child_r, 1) != b"m":
+                os._exit(125)
+            os.setgroups([])  # the host's supplementary groups grant nothing inside
+            os.setresgid(0, 0, 0)
+            os.setresuid(0, 0, 0)
+            prctl(PR_SET_NO_NEW_PRIVS, 1)
+            os.execv(argv[0], argv)
+        except OSError as e:
+            _fail(f"cannot enter a user namespace: {e}")
+    os.close(child_r)
+    os.close(child_w)
+    try:
+        if os.read(parent_r, 1) != b"u":
+            raise OSError("the child died before unsharing")
+        for name in ("uid_map", "gid_map"):
+            write_file(f"/proc/{pid}/{name}", f"0 {uid} 1")
+        os.write(parent_w, b"m")
+    except OSError as e:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        _fail(f"cannot map root to uid {uid}: {e}")
+    os.close(parent_w)
+    _, status = os.waitpid(pid, 0)
+    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
+
+
+def main(args: list[str]) -> None:
+    """map UID N SRC1 DEST1 ... SRCN DESTN COMMAND..."""
+    uid, n = int(args[0]), int(args[1])
+    pairs = args[2:2 + 2 * n]
+    map_and_exec(uid, list(zip(pairs[::2], pairs[1::2])), args[2 + 2 * n:])
