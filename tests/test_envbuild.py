@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import pty
-import select
 import subprocess
 import time
 import zipfile
@@ -19,6 +18,7 @@ from image_builder.oci.cache import BlobCache
 from image_builder.oci.registry import RegistryOptions
 from image_builder.pack.sif import read_sif
 from tests.conftest import run_cli
+from tests.support.terminal import read_pty
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -167,18 +167,7 @@ def drive_pty(argv: list[str], keys: bytes, timeout: float = 20) -> str:
     if pid == 0:
         os.execv(argv[0], argv)
     os.write(fd, keys)
-    out = b""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([fd], [], [], 0.5)
-        if ready:
-            try:
-                chunk = os.read(fd, 4096)
-            except OSError:
-                break
-            if not chunk:
-                break
-            out += chunk
+    out = read_pty(fd, timeout)
     os.waitpid(pid, 0)
     return out.decode(errors="replace")
 

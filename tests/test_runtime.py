@@ -12,7 +12,6 @@ import hashlib
 import json
 import os
 import pty
-import select
 import shutil
 import signal
 import socket
@@ -35,6 +34,7 @@ from image_builder.runtime.cgroups import Cgroups
 from image_builder.runtime.execution import RunRequest, RunResult
 from image_builder.runtime.mounts import INIT_ENV, PROC_MASKED
 from image_builder.runtime.session import Backend, InstanceLayers
+from tests.support.terminal import read_pty
 
 ROOTFS_CACHE = Path.home() / ".cache" / "image_builder-tests"
 DRIVER = Path(__file__).parent / "support" / "runtime_driver.py"
@@ -804,17 +804,7 @@ def test_shell_on_a_terminal(case, tmp_path):
     if pid == 0:  # the child: a session leader with the pty as its terminal
         os.execvpe(cmd[0], cmd, case.env())
     os.write(master, b"echo hi-$((40 + 2)); echo kept > /root/kept.txt; tty; exit 7\n")
-    out = b""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if select.select([master], [], [], 1)[0]:
-            try:
-                chunk = os.read(master, 4096)
-            except OSError:  # EIO: the terminal closed
-                break
-            if not chunk:
-                break
-            out += chunk
+    out = read_pty(master, 60)
     _, status = os.waitpid(pid, 0)
     os.close(master)
     assert b"hi-42" in out, out

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
+from tests.support.terminal import read_pty
 
 EXE = Path(sys.executable).parent / "image-builder"
 NOBODY = 65534
@@ -176,17 +177,7 @@ def test_the_shell_keeps_the_image_path_over_etc_profile(mbpp_store, backend, us
             os.chdir("/")
             os.execvpe(cmd[0], cmd, cli_env(xdg))
         os.write(master, b'echo "P=[$PATH]"; command -v python; exit 3\n')
-        out = b""
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if select.select([master], [], [], 1)[0]:
-                try:
-                    chunk = os.read(master, 4096)
-                except OSError:  # EIO: the terminal closed
-                    break
-                if not chunk:
-                    break
-                out += chunk
+        out = read_pty(master, 120)
         _, status = os.waitpid(pid, 0)
         os.close(master)
         assert f"P=[{want}]".encode() in out, out
