@@ -578,9 +578,13 @@ predictions_option = click.option("--predictions", type=click.Path(exists=True, 
 @click.option("--shard", metavar="K/N", help="Grade the K-th of N slices (K from 0), whole instances at a time; "
               "`image-builder results merge` joins the slices' files.")
 @_with(grading_options)
+@click.option("--compare", type=click.Choice(["exact", "tokens", "float", "livecodebench", "checker"]),
+              help="How stdin/stdout output is compared, for tasks whose record does not say (default: by data "
+              "source: float for CodeContests/Codeforces, else LiveCodeBench's).")
 @_one_line_errors
-def grade(store, tasks, predictions, output, shard, jobs, timeout, memory, strict, access, backend):
+def grade(store, tasks, predictions, output, shard, jobs, timeout, memory, strict, access, backend, compare):
     """Grade PREDICTIONS against TASKS, each in its instance of STORE."""
+    from dataclasses import replace
     from image_builder.graders import load_predictions, load_tasks
     from image_builder.graders.grading import (StoreExecutors, grade_to_file, read_results, shard_predictions,
                                                write_summary)
@@ -594,8 +598,8 @@ def grade(store, tasks, predictions, output, shard, jobs, timeout, memory, stric
         click.echo(f"resuming: {already} of {len(preds)} results already in {output}", err=True)
     with StoreExecutors(Store.open(store), backend=Backend(backend) if backend else None) as executors, \
             _grade_progress(len(preds) - already) as progress:
-        grade_to_file(task_list, preds, executors, output, options=_grade_options(timeout, memory, strict, access),
-                      workers=jobs, on_result=progress)
+        options = replace(_grade_options(timeout, memory, strict, access), compare=compare)
+        grade_to_file(task_list, preds, executors, output, options=options, workers=jobs, on_result=progress)
     wanted = {p.task_id for p in preds}
     _print_grades(write_summary((r for r in read_results(output) if r.task_id in wanted), output), output)
 

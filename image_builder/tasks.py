@@ -7,6 +7,12 @@ instead of stopping a whole run. Only an unreadable file raises.
 Variants of one task (ImpossibleBench `oneoff`/`conflicting`) get distinct ids,
 `<id>__<impossible_type>`, as Impossible-SWEbench names its instances;
 `original_id` names the task they were made from.
+
+Stdin/stdout tasks come as verl ground truth (`inputs`/`outputs`), as bare
+records with those keys, or in CodeContests's layout (`tests`: a list of
+`{"input", "output"}`). Any of them may say how output is compared: `compare`
+(a mode of `graders.stdio.COMPARE_MODES`), `checker` (Python source of a
+checker, which implies `compare: checker`) and `tolerance` (float mode's).
 """
 
 from __future__ import annotations
@@ -35,7 +41,10 @@ class AssertTask:
 
 @dataclass(frozen=True)
 class StdioTask:
-    """{"inputs": [...], "outputs": [...]}: stdin/stdout tests, or call-based when fn_name is set."""
+    """{"inputs": [...], "outputs": [...]}: stdin/stdout tests, or call-based when fn_name is set.
+
+    `compare` None leaves the choice to the grading run (its option, else the data source's default);
+    `checker` is the source of a checker program; `tolerance` float mode's, None for the default."""
     task_id: str
     inputs: tuple[Any, ...]
     outputs: tuple[Any, ...]
@@ -43,6 +52,9 @@ class StdioTask:
     fn_name: str | None = None
     impossible_type: str | None = None
     data_source: str = ""
+    compare: str | None = None
+    checker: str | None = None
+    tolerance: float | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +81,10 @@ class BadTask:
 
 
 Task = Union[AssertTask, StdioTask, RepoTask, BadTask]
+
+# The comparisons of stdin/stdout output (graders/stdio.py implements them).
+COMPARE_MODES = ("exact", "tokens", "float", "livecodebench", "checker")
+COMPARE_KEYS = ("compare", "checker", "tolerance")  # what a record or ground truth may say about comparing
 
 # SWE-bench's test commands where they differ from `pytest -rA`; a record's own `test_cmd` wins.
 REPO_TEST_CMDS = {"django/django": "./tests/runtests.py --verbosity 2 --settings=test_sqlite --parallel 1"}
@@ -98,8 +114,21 @@ def parse_ground_truth(task_id: str, ground_truth: Any, *, data_source: str = ""
             return BadTask(task_id, "fn_name must be a string")
         if fn_name is None and not all(isinstance(x, str) for x in inputs + outputs):
             return BadTask(task_id, "stdin/stdout inputs and outputs must be strings")
+        compare, checker, tolerance = (ground_truth.get(k) for k in COMPARE_KEYS)
+        if checker is not None and (not isinstance(checker, str) or not checker.strip()):
+            return BadTask(task_id, "checker must be the source of a checker program")
+        compare = compare if compare is not None else ("checker" if checker is not None else None)
+        if compare is not None and compare not in COMPARE_MODES:
+            return BadTask(task_id, f"compare must be one of {', '.join(COMPARE_MODES)}, not {compare!r}")
+        if compare == "checker" and checker is None:
+            return BadTask(task_id, "compare is checker but the record has no checker")
+        if fn_name is not None and compare is not None:
+            return BadTask(task_id, "call-based tests compare return values; compare applies to stdin/stdout tests")
+        if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, (int, float))
+                                      or not 0 <= tolerance < 1):
+            return BadTask(task_id, "tolerance must be a number in [0, 1)")
         return StdioTask(task_id, tuple(inputs), tuple(outputs), original_id, fn_name or None, impossible_type,
-                         data_source)
+                         data_source, compare, checker, None if tolerance is None else float(tolerance))
     keys = sorted(map(str, ground_truth))
     return BadTask(task_id, f"ground truth has none of assert_case, inputs/outputs (keys: {keys})")
 
@@ -128,14 +157,32 @@ def task_from_record(record: Any, fallback_id: str) -> Task:
     original_id = str(record.get("task_id", fallback_id))
     impossible_type = record.get("impossible_type")
     task_id = f"{original_id}__{impossible_type}" if impossible_type else original_id
-    truth = {k: record[k] for k in ("assert_case", "inputs", "outputs", "fn_name") if k in record}
+    if "tests" in record and not any(k in record for k in ("assert_case", "inputs", "outputs")):
+        return _codecontests_task(record, task_id, original_id, impossible_type)
+    truth = {k: record[k] for k in ("assert_case", "inputs", "outputs", "fn_name", *COMPARE_KEYS) if k in record}
     return parse_ground_truth(task_id, truth, data_source=record.get("data_source") or "",
+                              impossible_type=impossible_type, original_id=original_id)
+
+
+def _codecontests_task(record: dict, task_id: str, original_id: str, impossible_type: str | None) -> Task:
+    """CodeContests's layout, `tests`: [{"input", "output"}, ...]; its data source defaults to codecontests
+    (so float comparison unless the record or the run says otherwise)."""
+    tests = record["tests"]
+    if not isinstance(tests, list) or not tests or not all(
+            isinstance(t, dict) and isinstance(t.get("input"), str) and isinstance(t.get("output"), str)
+            for t in tests):
+        return BadTask(task_id, "tests must be a non-empty list of {input, output} strings")
+    truth = {"inputs": [t["input"] for t in tests], "outputs": [t["output"] for t in tests],
+             **{k: record[k] for k in COMPARE_KEYS if k in record}}
+    return parse_ground_truth(task_id, truth, data_source=record.get("data_source") or "codecontests",
                               impossible_type=impossible_type, original_id=original_id)
 
 
 def _repo_task(record: dict, fallback_id: str) -> Task:
     task_id = str(record.get("instance_id", fallback_id))
-    missing = [k for k in ("repo", "base_commit", "test_patch", "FAIL_TO_PASS") if not record.get(k)]
+    # An empty FAIL_TO_PASS ([] or "[]") is a list SWE-bench grades: resolved once the tests run through.
+    missing = [k for k in ("repo", "base_commit", "test_patch") if not record.get(k)]
+    missing += ["FAIL_TO_PASS"] if record.get("FAIL_TO_PASS") in (None, "") else []
     if missing:
         return BadTask(task_id, f"SWE-bench record lacks {', '.join(missing)}")
     try:

@@ -288,11 +288,12 @@ def test_a_store_of_slash_ids_builds_resolves_and_keeps_its_files(tmp_path, tiny
     build, index, inspect, verify, gc and a no-op rebuild, each under its one escaped file name."""
     (tmp_path / "scripts").mkdir()
     (tmp_path / "scripts/env.sh").write_text("#!/bin/sh\ntrue\n")
+    (tmp_path / "scripts/inst.sh").write_text("#!/bin/sh\necho made > made\n")  # each instance gets a layer
     ids = ["codeforces/1873_A", ".hidden", "x.tmp-1"]
     (tmp_path / "data.jsonl").write_text(rows(*ids))
     (tmp_path / "catalog.yaml").write_text(yaml.safe_dump({
         "scripts_dir": "scripts", "environments": [{"name": "e1", "base": tiny_base, "scripts": ["env.sh"]}],
-        "instance_sets": [{"from": "data.jsonl", "environment": "e1", "workdir": "/task"}]}))
+        "instance_sets": [{"from": "data.jsonl", "environment": "e1", "workdir": "/task", "script": "inst.sh"}]}))
     store = tmp_path / "store"
     common = ["--store", str(store)]
     build = ["build", str(tmp_path / "catalog.yaml"), *common, "--ca-cert", str(registries.tls.cert),

@@ -8,6 +8,7 @@ this file's own, and the cached venv lives under the caller's home.
 from __future__ import annotations
 
 import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -127,7 +128,8 @@ def test_a_conftest_that_turns_failures_into_passes_is_reverted_under_read_only(
     # In-process forgery: log and junit both say PASSED, so open access cannot tell.
     assert grade(task, cheat, host, replace(options, access=TestAccess.OPEN)).status is TaskStatus.PASSED
     read_only = grade(task, cheat, host, replace(options, access=TestAccess.READ_ONLY))
-    assert read_only.status is TaskStatus.FAILED and read_only.repo.reverted_files == ["tests/conftest.py"]
+    assert read_only.status is TaskStatus.FAILED and read_only.repo.dropped_changes == ["tests/conftest.py"]
+    assert read_only.repo.reverted_files == []
 
 
 # --- forged reports from code under test ------------------------------------------------------------------
@@ -179,3 +181,163 @@ def test_hidden_tests_tell_the_candidate_only_pass_or_fail(tasks, host, options)
     assert candidate_feedback(result, TestAccess.HIDDEN) == "failed"
     opened = candidate_feedback(result, TestAccess.OPEN)
     assert opened.startswith("failed: ") and f"{F2P}: FAILED" in opened
+
+
+# --- test infrastructure: what pytest and Python read before collecting -----------------------------------
+
+PLUGIN = ("import pytest\n\n\n@pytest.hookimpl(hookwrapper=True)\n"
+          "def pytest_runtest_makereport(item, call):\n"
+          "    outcome = yield\n"
+          "    report = outcome.get_result()\n"
+          "    if report.failed:\n"
+          "        report.outcome = 'passed'\n")
+PY = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+
+
+def _write(repo: Path, path: str, text: str, append: bool = False) -> None:
+    target = repo / path
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text((target.read_text() if append and target.exists() else "") + text)
+
+
+def _plugin(repo: Path) -> None:
+    _write(repo, "src/marshmallow/_plugin.py", PLUGIN)
+
+
+def _setup_cfg(repo: Path) -> None:
+    _plugin(repo)
+    cfg = repo / "setup.cfg"
+    cfg.write_text(cfg.read_text().replace("addopts = -v --tb=short", "addopts = -v --tb=short -p marshmallow._plugin"))
+
+
+# Each attack: the gold fix plus a change that makes pytest report failures as passes, and the paths
+# (as dropped_changes names them) that carry it.
+ATTACKS = {
+    "conftest": (lambda repo: _write(repo, "tests/conftest.py", "\n" + PLUGIN, append=True), ["tests/conftest.py"]),
+    "setup.cfg addopts": (_setup_cfg, ["setup.cfg [tool:pytest]"]),
+    "pytest.ini": (lambda repo: (_plugin(repo), _write(repo, "pytest.ini", "[pytest]\naddopts = -p marshmallow._plugin\n")),
+                   ["pytest.ini"]),
+    "sitecustomize": (lambda repo: (_plugin(repo), _write(repo, "src/sitecustomize.py",
+                                                          "import os\nos.environ['PYTEST_PLUGINS'] = 'marshmallow._plugin'\n")),
+                      ["src/sitecustomize.py"]),
+    "pth": (lambda repo: (_plugin(repo), _write(repo, f".venv/lib/{PY}/site-packages/zz_cheat.pth",
+                                                "import os; os.environ['PYTEST_PLUGINS'] = 'marshmallow._plugin'\n")),
+            [f".venv/lib/{PY}/site-packages/zz_cheat.pth"]),
+    "entry_points": (lambda repo: (_plugin(repo), _write(repo, "src/cheat.egg-info/entry_points.txt",
+                                                         "[pytest11]\ncheat = marshmallow._plugin\n"),
+                                   _write(repo, "src/cheat.egg-info/PKG-INFO", "Metadata-Version: 2.1\nName: cheat\n"
+                                                                              "Version: 1.0\n")),
+                     ["src/cheat.egg-info/entry_points.txt"]),
+}
+
+
+@pytest.fixture(scope="module")
+def venv_host(tasks, tmp_path_factory):
+    """The instance with its environment inside the workdir (/testbed/.venv), as some images have it: a venv
+    whose site-packages reaches the test venv's, so a candidate's patch can write a .pth there."""
+    repo = marshmallow_checkout(tmp_path_factory.mktemp("venv-instance"), tasks[ID].base_commit)
+    outer = marshmallow_venv()
+    subprocess.run([str(outer / "bin" / "python"), "-m", "venv", "--without-pip", str(repo / ".venv")], check=True)
+    site = subprocess.run([str(outer / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    (repo / ".venv" / "lib" / PY / "site-packages" / "_outer.pth").write_text(site + "\n")
+    (repo / ".git" / "info" / "exclude").write_text(".venv/\n")
+    return HostExecutor(template=repo, run_as=None)
+
+
+@pytest.mark.parametrize("attack", list(ATTACKS))
+def test_test_infrastructure_attacks_are_dropped_unless_tests_are_open(tasks, host, options, venv_host, tmp_path,
+                                                                      attack):
+    task = tasks[f"{ID}__conflicting"]  # the gold patch fails it: only a forged report passes it
+    edit, dropped = ATTACKS[attack]
+    workspace = marshmallow_checkout(tmp_path, task.base_commit)
+
+    def cheat_edit(repo: Path) -> None:
+        apply(repo, tasks[ID].gold_patch)
+        edit(repo)
+        subprocess.run(["git", "-C", str(repo), "add", "-A", "-f"], check=True)  # .gitignore'd paths too
+
+    # The cheat does not touch the test patch's files, so one diff applies with or without the test patch.
+    cheat = diff_after(workspace, [task.test_patch], cheat_edit)
+    if attack == "pth":  # the instance's own venv, in the workdir the executor copied
+        host, task = venv_host, replace(task, test_cmd=".venv/bin/python -m pytest -rA")
+        options = replace(options, env={**options.env, "PATH": "/usr/bin:/bin"})
+    opened = grade(task, cheat, host, replace(options, access=TestAccess.OPEN))
+    assert opened.status is TaskStatus.PASSED, (attack, opened.reason, opened.repo.log[-2000:])
+    assert opened.repo.test_infrastructure_modified == dropped and opened.repo.dropped_changes == []
+    for access in (TestAccess.READ_ONLY, TestAccess.HIDDEN):
+        result = grade(task, cheat, host, replace(options, access=access))
+        assert result.status is TaskStatus.FAILED and result.repo.fail_to_pass == {F2P: "FAILED"}, (attack, access)
+        assert result.repo.dropped_changes == dropped and result.repo.test_infrastructure_modified == []
+    assert "dropped changes to test infrastructure: " + ", ".join(dropped) in candidate_feedback(
+        result, TestAccess.READ_ONLY)
+
+
+# --- SWE-bench fidelity: what the test patch holds, and what the record lists -------------------------------
+
+@pytest.fixture(scope="module")
+def reshaped(tasks, tmp_path_factory):
+    """1359 with a test patch that also renames a test file and adds a data file (git diff -M)."""
+    task = tasks[ID]
+    repo = marshmallow_checkout(tmp_path_factory.mktemp("reshaped"), task.base_commit)
+
+    def edit(repo: Path) -> None:
+        apply(repo, task.test_patch)
+        subprocess.run(["git", "-C", str(repo), "mv", "tests/test_validate.py", "tests/test_validate_moved.py"],
+                       check=True)
+        _write(repo, "tests/static/config.toml", "[settings]\nx = 1\n")
+    test_patch = diff_after(repo, [], edit)
+    assert "rename to tests/test_validate_moved.py" in test_patch and "tests/static/config.toml" in test_patch
+    moved = "tests/test_validate_moved.py::test_length_min"
+    return replace(task, test_patch=test_patch, pass_to_pass=(*task.pass_to_pass, moved))
+
+
+@pytest.mark.parametrize("access", list(TestAccess))
+def test_a_test_patch_that_renames_a_file_and_adds_data_resolves_gold_in_every_mode(reshaped, host, options, access):
+    result = grade(reshaped, reshaped.gold_patch, host, replace(options, access=access))
+    assert result.status is TaskStatus.PASSED, (access, result.reason, result.repo.apply_log[-1000:])
+    assert "config.toml" not in result.repo.log  # a data file is no test directive (SWE-bench's NON_TEST_EXTS)
+    assert set(result.repo.pass_to_pass.values()) == {"PASSED"}
+
+
+def test_directives_leave_out_data_files():
+    from image_builder.graders.swebench import directives_for
+    assert directives_for("x/y", ["tests/test_a.py", "tests/static/config.toml", "tests/data.json"]) == [
+        "tests/test_a.py"]
+
+
+def test_empty_test_lists_resolve_as_swebench_resolves_them(tasks, host, options):
+    from image_builder.tasks import task_from_record
+    record = {"instance_id": "x", "repo": tasks[ID].repo, "base_commit": tasks[ID].base_commit,
+              "test_patch": tasks[ID].test_patch, "patch": tasks[ID].gold_patch}
+    for empty in ("[]", []):
+        task = task_from_record({**record, "FAIL_TO_PASS": empty, "PASS_TO_PASS": empty}, "line 1")
+        assert task.fail_to_pass == task.pass_to_pass == ()
+    result = grade(task, "", host, options)  # the tests ran through: nothing listed failed
+    assert result.status is TaskStatus.PASSED and result.repo.resolved
+    broken = grade(task, "not a patch\n", host, options)
+    assert broken.status is TaskStatus.PATCH_FAILED and not broken.repo.resolved
+
+
+def test_a_skipped_fail_to_pass_test_reads_as_swebench_reads_it(tasks, host, options, tmp_path):
+    task = tasks[ID]
+    repo = marshmallow_checkout(tmp_path, task.base_commit)
+    skip = "tests/test_skip.py::test_not_run"
+    test_patch = diff_after(repo, [], lambda r: _write(r, "tests/test_skip.py",
+                                                       "import pytest\n\n\n@pytest.mark.skip\ndef test_not_run():\n"
+                                                       "    pass\n"))
+    result = grade(replace(task, test_patch=test_patch, fail_to_pass=(skip,), pass_to_pass=()), "", host, options)
+    assert result.repo.fail_to_pass == {skip: "MISSING"} and result.repo.mismatches == []
+    assert result.status is TaskStatus.FAILED and "SWE-bench's parser finds no status" in result.reason
+
+
+def test_the_record_s_test_cmd_wins_then_the_instance_s(tasks):
+    from image_builder.graders.swebench import resolve_test_command as test_command
+
+    class Instance:
+        test_command = "pytest -rA --tb=no -p no:cacheprovider"
+    task = tasks[ID]
+    assert test_command(task, Instance()) == Instance.test_command
+    assert test_command(task, object()) == "pytest -rA"
+    own = replace(task, test_cmd="pytest -rA -x")
+    assert test_command(own, Instance()) == "pytest -rA -x"

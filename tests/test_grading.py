@@ -73,11 +73,11 @@ def test_run_cli_behaves_like_a_local_command(mbpp_store, tmp_path):
                 input="olleh")
     assert r.returncode == 0 and r.stdout == "hello\n", r.stderr
     assert run_cli("run", "--store", store, "512", "--", "sh", "-c", "echo err >&2; exit 3").returncode == 3
-    tests = run_cli("run", "--store", store, "512", "--", "cat", "/task/tests.json")
-    assert "assert_case" in json.loads(tests.stdout), "the task's tests are in its read-only layer"
-    run_cli("run", "--store", store, "512", "--", "sh", "-c", "echo x > /task/tests.json")
-    after = run_cli("run", "--store", store, "512", "--", "cat", "/task/tests.json")
-    assert after.stdout == tests.stdout, "a run's writes never reach the next run"
+    tests = run_cli("run", "--store", store, "512", "--", "sh", "-c", "grep -rl assert_case /task /root /opt; pwd")
+    assert tests.stdout == "/root\n", "the task's tests are nowhere in its instance"
+    run_cli("run", "--store", store, "512", "--", "sh", "-c", "echo x > /root/left")
+    after = run_cli("run", "--store", store, "512", "--", "ls", "/root")
+    assert "left" not in after.stdout, "a run's writes never reach the next run"
     timed = run_cli("run", "--store", store, "--timeout", "1", "512", "--", "sleep", "30")
     assert timed.returncode == 124 and "timed out" in timed.stderr
     record = json.loads(run_cli("run", "--store", store, "--json", "--output-dir", str(tmp_path / "o"), "512", "--",
@@ -143,26 +143,52 @@ def test_swebench_in_the_sandbox(marshmallow_store, tmp_path, access):
     assert not any(x["status"] == "passed" for x in results(empty).values())
 
 
+def overlay_store(mbpp_store: Path, root: Path, n: int) -> Path:
+    """n instances over the MBPP environment, each with an overlay of its own (copies of one)."""
+    import os
+    import shutil
+
+    from image_builder.oci.cache import sha256_file
+    from image_builder.pack.squashfs import SquashOptions, pack
+    from image_builder.store.index import Index, InstanceRecord, write_index
+    from image_builder.store.store import Store
+
+    env = next(iter(Store.open(mbpp_store).index.environments.values()))
+    (root / "envs").mkdir(parents=True)
+    (root / "instances").mkdir()
+    os.link(mbpp_store / env.sif, root / env.sif)
+    (root / "tiny/task").mkdir(parents=True)
+    (root / "tiny/task/marker").write_text("one of many\n")
+    pack(root / "tiny", root / "tiny.sqfs", SquashOptions(all_root=True))
+    digest, size = sha256_file(root / "tiny.sqfs"), (root / "tiny.sqfs").stat().st_size
+    instances = {}
+    for i in range(n):
+        shutil.copyfile(root / "tiny.sqfs", root / f"instances/i{i}.sqfs")
+        instances[f"i{i}"] = InstanceRecord(f"i{i}", env.name, f"instances/i{i}.sqfs", digest, size, "test")
+    write_index(root, Index({env.name: env}, instances))
+    return root
+
+
 def test_grading_many_instances_keeps_few_mounted(mbpp_store, tmp_path):
-    """40 tasks in 40 instances with room for 3 sessions: every reference still passes, at
-    most 3 sessions are open at once, and the holder keeps no more instance layers mounted."""
+    """40 tasks in 40 instances with room for 3 sessions: every task is graded, at most 3
+    sessions are open at once, and the holder keeps no more instance layers mounted."""
     import time
 
-    from image_builder.graders import load_predictions, load_tasks
+    from image_builder.graders import AssertTask, Prediction
     from image_builder.graders.grading import StoreExecutors, grade_to_file, read_results
     from image_builder.store.store import Store
 
-    tasks = load_tasks(DATA / "mbpp_train_40.parquet")
-    store = Store.open(mbpp_store)
-    assert len({store.resolve(t.task_id).overlays for t in tasks}) == 40
+    store = Store.open(overlay_store(mbpp_store, tmp_path / "store", 40))
+    tasks = [AssertTask(f"i{i}", ("assert f(2) == 3",), f"i{i}") for i in range(40)]
     out = tmp_path / "results.jsonl"
     with StoreExecutors(store, max_sessions=3) as executors:
-        grade_to_file(tasks, load_predictions(DATA / "mbpp_train_40_solutions.jsonl"), executors, out, workers=2)
+        grade_to_file(tasks, [Prediction(t.task_id, "def f(x):\n    return x + 1\n") for t in tasks], executors,
+                      out, workers=2)
         assert executors.peak_sessions <= 3
         holder = next(iter(executors._sessions.values()))._holder_pid
 
         def instance_mounts() -> int:
-            return Path(f"/proc/{holder}/mountinfo").read_text().count(f"{mbpp_store}/instances/")
+            return Path(f"/proc/{holder}/mountinfo").read_text().count(f"{store.root}/instances/")
 
         deadline = time.monotonic() + 10
         while instance_mounts() > 3 and time.monotonic() < deadline:  # the holder unmounts as sessions close
@@ -170,6 +196,22 @@ def test_grading_many_instances_keeps_few_mounted(mbpp_store, tmp_path):
         assert instance_mounts() <= 3
     got = read_results(out)
     assert len(got) == 40 and all(r.status.value == "passed" for r in got), [r for r in got if r.score < 1][:2]
+
+
+def test_instances_that_add_nothing_share_one_session(mbpp_store, tmp_path):
+    """MBPP's 40 instances hold no layer of their own (their tests stay out of them): one session grades all."""
+    from image_builder.graders import load_predictions, load_tasks
+    from image_builder.graders.grading import StoreExecutors, grade_to_file, read_results
+    from image_builder.store.store import Store
+
+    store = Store.open(mbpp_store)
+    tasks = load_tasks(DATA / "mbpp_train_40.parquet")
+    assert {store.resolve(t.task_id).overlays for t in tasks} == {()}
+    out = tmp_path / "results.jsonl"
+    with StoreExecutors(store) as executors:
+        grade_to_file(tasks, load_predictions(DATA / "mbpp_train_40_solutions.jsonl"), executors, out, workers=2)
+        assert executors.peak_sessions == 1
+    assert all(r.status.value == "passed" for r in read_results(out))
 
 
 def test_a_corrupt_image_is_an_infrastructure_error(mbpp_store, tmp_path):
@@ -202,3 +244,39 @@ def test_a_corrupt_image_is_an_infrastructure_error(mbpp_store, tmp_path):
                                if p.task_id == task.task_id], executors, out)
     (result,) = read_results(out)
     assert result.status.value == "error" and "is corrupt" in result.reason, result
+
+
+@pytest.mark.parametrize("access", ["hidden", "read-only"])
+def test_a_setup_cfg_plugin_in_addopts_is_dropped_in_the_sandbox(marshmallow_store, tmp_path, access):
+    """The gold fix of 1359 plus `-p marshmallow._plugin` in setup.cfg's [tool:pytest] addopts (a plugin that
+    reports failures as passes) and a change to its [metadata]: the conflicting variant stays unresolved, only
+    the pytest section is dropped, and open mode flags it."""
+    from tests.support.grader_data import diff_after, marshmallow_checkout
+    rec = next(r for r in SWE if r["instance_id"] == "marshmallow-code__marshmallow-1359__conflicting")
+    gold = next(r["patch"] for r in SWE if r["instance_id"] == original_id(rec))
+    plugin = ("import pytest\n\n\n@pytest.hookimpl(hookwrapper=True)\ndef pytest_runtest_makereport(item, call):\n"
+              "    outcome = yield\n    report = outcome.get_result()\n    if report.failed:\n"
+              "        report.outcome = 'passed'\n")
+
+    def cheat(repo: Path) -> None:
+        import subprocess
+        subprocess.run(["git", "-C", str(repo), "apply", "-"], input=gold.encode(), check=True)
+        (repo / "src/marshmallow/_plugin.py").write_text(plugin)
+        cfg = repo / "setup.cfg"
+        cfg.write_text(cfg.read_text().replace("addopts = -v --tb=short", "addopts = -v --tb=short -p marshmallow._plugin")
+                       .replace("license_files = LICENSE", "license_files = LICENSE\nproject_urls = x"))
+    patch = diff_after(marshmallow_checkout(tmp_path / "ws", rec["base_commit"]), [rec["test_patch"]], cheat)
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps(rec) + "\n")
+    preds = tmp_path / "preds.jsonl"
+    preds.write_text(json.dumps({"instance_id": rec["instance_id"], "model_patch": patch}) + "\n")
+    for mode in (access, "open"):
+        out = tmp_path / f"{mode}.jsonl"
+        r = grade(marshmallow_store, tasks, preds, out, "--test-access", mode)
+        assert r.returncode == 0, r.stderr
+        res = results(out)[rec["instance_id"]]
+        if mode == "open":
+            assert res["status"] == "passed" and res["repo"]["test_infrastructure_modified"] == [
+                "setup.cfg [tool:pytest]"]
+        else:
+            assert res["status"] == "failed" and res["repo"]["dropped_changes"] == ["setup.cfg [tool:pytest]"], res

@@ -9,7 +9,6 @@ were made from (same repository state; their tests differ only at grading).
 
 from __future__ import annotations
 
-import json
 import string
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,9 +43,10 @@ def _case_draft(task: AssertTask | StdioTask) -> InstanceDraft:
         tests = {"inputs": list(task.inputs), "outputs": list(task.outputs),
                  **({"fn_name": task.fn_name} if task.fn_name else {})}
         kind = "stdio"
-    # The tests sit in the instance's read-only layer: candidate code cannot edit them.
-    files = {"task/tests.json": json.dumps(tests, indent=1).encode()}
-    return InstanceDraft(task.original_id, {"task_id": task.original_id}, files,
+    # The tests stay out of the instance: candidate code runs there and must not read the expected
+    # values (a solution that read /task/tests.json passed every case). Graders take them from the task
+    # file on the host, so such an instance adds nothing to its environment: no overlay, no mount.
+    return InstanceDraft(task.original_id, {"task_id": task.original_id}, {},
                          {"kind": kind, "cases": len(tests.get("assert_case", tests.get("inputs", [])))})
 
 

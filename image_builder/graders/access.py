@@ -10,6 +10,12 @@ For repo tasks the candidate's patch is read against the workspace it saw:
   base_commit; grading resets the test patch's files and applies it, exactly as
   SWE-bench's eval script does. The candidate hears only "passed" or "failed".
 
+In read-only and hidden modes the candidate's changes to test infrastructure
+(`infrastructure_kind`: what pytest or Python reads before collecting a test,
+such as conftest.py, pytest.ini, sitecustomize.py, .pth files, an editable
+install's entry_points.txt, or the pytest sections of setup.cfg, tox.ini and
+pyproject.toml) are dropped too; in open mode they stand and are flagged.
+
 Assert-case and stdin/stdout tests always live in the grader and reach a run
 only as files written for that one run, so a solution can edit nothing that a
 later case reads; there the mode only decides the feedback.
@@ -27,6 +33,13 @@ _TEST_DIRS = {"test", "tests", "testing"}
 _TEST_CONFIG = {"conftest.py", "pytest.ini"}
 FEEDBACK_LOG_TAIL = 4000
 
+# Read whole before any test is collected: pytest's own config files, Python's startup hooks.
+_INFRA_FILES = {"conftest.py", "pytest.ini", ".pytest.ini", "pytest.toml", ".pytest.toml", "sitecustomize.py",
+                "usercustomize.py", "pyvenv.cfg"}
+# Shared config files: only their pytest sections are test infrastructure (a gold patch may add a
+# dependency elsewhere in them).
+_INFRA_SECTIONS = {"setup.cfg": "ini", "tox.ini": "ini", "pyproject.toml": "toml"}
+
 
 class TestAccess(str, enum.Enum):
     __test__ = False  # a name pytest would otherwise try to collect
@@ -40,6 +53,21 @@ def is_test_path(path: str) -> bool:
     name = parts[-1] if parts else ""
     return (any(part in _TEST_DIRS for part in parts[:-1]) or name in _TEST_CONFIG
             or name.startswith("test_") or name.endswith(("_test.py", "_tests.py")) or name in ("test.py", "tests.py"))
+
+
+def infrastructure_kind(path: str) -> str | None:
+    """How grading protects a path pytest or Python reads before collecting tests: "file" (the whole file),
+    "ini" or "toml" (only the pytest sections of a shared config file); None for other paths.
+    Bytecode counts as a whole file: a .pyc the patch adds could stand in for a restored source."""
+    parts = PurePosixPath(path).parts
+    if not parts:
+        return None
+    name, parent = parts[-1], parts[-2] if len(parts) > 1 else ""
+    if (name in _INFRA_FILES or name.endswith((".pth", ".pyc")) or "__pycache__" in parts
+            or "site-packages" in parts or "dist-packages" in parts  # an environment inside the workdir
+            or name == "entry_points.txt" and parent.endswith((".egg-info", ".dist-info"))):
+        return "file"
+    return _INFRA_SECTIONS.get(name)
 
 
 def reverted_files(access: TestAccess, candidate_paths: list[str], test_patch_paths: list[str]) -> list[str]:
@@ -67,5 +95,7 @@ def candidate_feedback(result: GradeResult, access: TestAccess) -> str:
             lines += [f"{test}: {status}" for test, status in group.items() if status not in ("PASSED", "XFAIL")]
         if result.repo.reverted_files:
             lines.append("reverted changes to test files: " + ", ".join(result.repo.reverted_files))
+        if result.repo.dropped_changes:
+            lines.append("dropped changes to test infrastructure: " + ", ".join(result.repo.dropped_changes))
         lines.append(result.repo.log[-FEEDBACK_LOG_TAIL:])
     return "\n".join(lines)

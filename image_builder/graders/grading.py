@@ -45,13 +45,14 @@ DEFAULT_MAX_SESSIONS = 32
 
 
 class StoreExecutors:
-    """`executor_for(task)` backed by a store: a warm session per instance, shared by threads,
-    at most `max_sessions` open; the least recently used idle one is closed to make room."""
+    """`executor_for(task)` backed by a store: a warm session per set of layers (instances
+    that add nothing to their environment share one), shared by threads, at most
+    `max_sessions` open; the least recently used idle one is closed to make room."""
 
     def __init__(self, store: Store, *, backend: Backend | None = None, max_sessions: int = DEFAULT_MAX_SESSIONS):
         self.store, self.backend, self.max_sessions = store, backend, max(1, max_sessions)
-        self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
-        self._busy: Counter[str] = Counter()
+        self._sessions: OrderedDict[tuple, Session] = OrderedDict()  # by _layers_key, least recently used first
+        self._busy: Counter[tuple] = Counter()
         self._lock = threading.Lock()
         self.peak_sessions = 0
 
@@ -62,25 +63,26 @@ class StoreExecutors:
         """An executor for the instance (UnknownInstance now if the store has none); its
         session opens at the first run."""
         resolved = self.store.resolve(instance_id)
-        return _InstanceExecutor(self, instance_id, InstanceLayers(resolved.env_sif, resolved.overlays, resolved.env,
-                                                                   resolved.workdir, resolved.digests))
+        return _InstanceExecutor(self, InstanceLayers(resolved.env_sif, resolved.overlays, resolved.env,
+                                                      resolved.workdir, resolved.digests), resolved.test_command)
 
-    def _acquire(self, instance_id: str, layers: InstanceLayers) -> Session:
+    def _acquire(self, layers: InstanceLayers) -> Session:
+        key = _layers_key(layers)
         with self._lock:
-            session = self._sessions.get(instance_id)
+            session = self._sessions.get(key)
             if session is None:
-                session = self._sessions[instance_id] = open_session(layers, backend=self.backend)
-            self._sessions.move_to_end(instance_id)
-            self._busy[instance_id] += 1
+                session = self._sessions[key] = open_session(layers, backend=self.backend)
+            self._sessions.move_to_end(key)
+            self._busy[key] += 1
             surplus = len(self._sessions) - self.max_sessions
             for idle in [i for i in self._sessions if not self._busy[i]][:max(0, surplus)]:
                 self._sessions.pop(idle).close()  # the holder unmounts what no session uses
             self.peak_sessions = max(self.peak_sessions, len(self._sessions))
             return session
 
-    def _release(self, instance_id: str) -> None:
+    def _release(self, layers: InstanceLayers) -> None:
         with self._lock:
-            self._busy[instance_id] -= 1
+            self._busy[_layers_key(layers)] -= 1
 
     def close(self) -> None:
         with self._lock:
@@ -95,18 +97,23 @@ class StoreExecutors:
         self.close()
 
 
-class _InstanceExecutor:
-    """What a grader is given: each run borrows the instance's session from the pool."""
+def _layers_key(layers: InstanceLayers) -> tuple:
+    return layers.env_sif, layers.overlays, layers.workdir, tuple(sorted(layers.env.items()))
 
-    def __init__(self, pool: StoreExecutors, instance_id: str, layers: InstanceLayers):
-        self._pool, self._instance_id, self._layers = pool, instance_id, layers
+
+class _InstanceExecutor:
+    """What a grader is given: each run borrows its instance's session from the pool."""
+
+    def __init__(self, pool: StoreExecutors, layers: InstanceLayers, test_command: str | None):
+        self._pool, self._layers = pool, layers
+        self.test_command = test_command  # the catalog's, for repo graders (swebench.resolve_test_command)
 
     def run(self, request: RunRequest) -> RunResult:
-        session = self._pool._acquire(self._instance_id, self._layers)
+        session = self._pool._acquire(self._layers)
         try:
             return session.run(request)
         finally:
-            self._pool._release(self._instance_id)
+            self._pool._release(self._layers)
 
 
 def read_results(output: Path) -> list[GradeResult]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from image_builder.tasks import COMPARE_MODES
 from .access import TestAccess
 
 
@@ -21,5 +22,12 @@ class GradeOptions:
     # Beyond verl: assert cases compare `==` only between plain built-in values, so an object whose
     # __eq__ always says True fails (call-based tests compare after a JSON round trip anyway).
     strict: bool = False
+    # How stdin/stdout output is compared (tasks.COMPARE_MODES) for tasks whose record does not say;
+    # None: the data source's default (stdio.default_compare). A record's `compare` or `checker` wins.
+    compare: str | None = None
     access: TestAccess = TestAccess.HIDDEN  # for repo tasks; assert and stdio tests always live in the grader
     env: Mapping[str, str] = field(default_factory=dict)  # on top of the instance's environment
+
+    def __post_init__(self):
+        if self.compare is not None and self.compare not in COMPARE_MODES:
+            raise ValueError(f"compare must be one of {', '.join(COMPARE_MODES)}, not {self.compare!r}")

@@ -55,6 +55,11 @@ class RepoReport:
     resolved: bool
     crosscheck: str  # "junit" (log and junit agree or the test fails), "log-only", "junit-missing"
     mismatches: list[str] = field(default_factory=list)  # tests whose log and junit statuses differ
+    # read-only/hidden: candidate changes to test infrastructure undone before the tests ran, as
+    # "tests/conftest.py" (whole file) or "setup.cfg [tool:pytest]" (a pytest section)
+    dropped_changes: list[str] = field(default_factory=list)
+    # open: the same changes, left standing
+    test_infrastructure_modified: list[str] = field(default_factory=list)
     apply_log: str = ""
     log: str = ""  # the test command's output, between the run's markers
 

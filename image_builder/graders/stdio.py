@@ -1,8 +1,24 @@
 """Stdin/stdout grading (`{"inputs": [...], "outputs": [...]}`), and call-based when fn_name is set.
 
 Standard input is a regular file, as judges give it (some real solutions read
-`os.fstat(0).st_size` bytes). Output is compared as LiveCodeBench does; each
-test is its own run with its own time limit (6 s by default, LiveCodeBench's).
+`os.fstat(0).st_size` bytes). Each test is its own run with its own time limit
+(6 s by default, LiveCodeBench's). The output is compared in one of these modes:
+
+- `exact`: line by line, trailing whitespace of each line and trailing blank lines ignored;
+- `tokens`: the whitespace-separated tokens are equal;
+- `float`: tokens, where two numbers are equal within absolute or relative 1e-6 (the task's
+  `tolerance` if it has one); two integers (no point, no exponent) must be equal exactly;
+- `livecodebench`: LiveCodeBench's (`compare_stdout`): stripped lines, equal as text or
+  token-wise as exact decimals;
+- `checker`: the task's checker program (Python source) decides, for problems with several
+  valid answers. It is a run of its own through the same executor, after the candidate's,
+  as `python3 checker.py INPUT EXPECTED ACTUAL` (three file paths); exit 0 accepts, any other
+  status rejects with its last line of output as the reason. The expected output goes only to
+  the checker's run: the candidate's run gets its code and its stdin, nothing else.
+
+The mode is the task's (`compare`, or `checker` when it has a checker), else the run's
+(`GradeOptions.compare`, `grade --compare`), else the data source's default
+(`default_compare`). The result's reason starts with `compare=<mode>`.
 
 Call-based tests come in two layouts: LiveCodeBench's (each input a string of
 JSON lines, one per argument; each output a JSON string) and APPS/verl's (each
@@ -14,6 +30,8 @@ an object whose __eq__ always says True cannot pass (it is not JSON).
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import replace
 from decimal import Decimal, InvalidOperation
 
 from image_builder.runtime.execution import Executor, RunRequest
@@ -25,6 +43,24 @@ from .results import CaseResult, CaseStatus, GradeResult, TaskStatus, from_cases
 
 SOLUTION_FILE = f"{SCRATCH}/_ib_solution.py"
 CALL_FILE = f"{SCRATCH}/_ib_call.json"
+CHECK_DIR = f"{SCRATCH}/_ib_check"  # the checker's run only
+CHECKER_FILE, INPUT_FILE, EXPECTED_FILE, ACTUAL_FILE = (f"{CHECK_DIR}/{name}"
+                                                         for name in ("checker.py", "input", "expected", "actual"))
+DEFAULT_TOLERANCE = 1e-6
+
+# Data sources (verl's `data_source`, lower-cased) by the comparison their own graders make; the rest,
+# verl's `inputs/outputs` tasks among them, get LiveCodeBench's, the default before modes existed.
+SOURCE_DEFAULTS = (("livecodebench", "livecodebench"), ("codecontests", "float"), ("code_contests", "float"),
+                   ("codeforces", "float"))
+
+
+def default_compare(data_source: str) -> str:
+    source = data_source.lower()
+    return next((mode for name, mode in SOURCE_DEFAULTS if name in source), "livecodebench")
+
+
+def compare_mode(task: StdioTask, options: GradeOptions) -> str:
+    return task.compare or options.compare or default_compare(task.data_source)
 
 
 def grade_stdio(task: StdioTask, solution: str, executor: Executor, options: GradeOptions) -> GradeResult:
@@ -35,10 +71,70 @@ def grade_stdio(task: StdioTask, solution: str, executor: Executor, options: Gra
             return GradeResult(task.task_id, "stdio", TaskStatus.BAD_TASK, reason=f"call-based test: {exc}")
         cases = [_run_call(str(i), solution, task.fn_name, args, accepted, executor, options)
                  for i, (args, accepted) in enumerate(calls)]
-    else:
-        cases = [_run_stdin(str(i), solution, given, expected, executor, options)
-                 for i, (given, expected) in enumerate(zip(task.inputs, task.outputs))]
-    return from_cases(task.task_id, "stdio", cases, "test")
+        return from_cases(task.task_id, "stdio", cases, "test")
+    mode = compare_mode(task, options)
+    if mode == "checker" and not task.checker:
+        return GradeResult(task.task_id, "stdio", TaskStatus.BAD_TASK,
+                           reason="compare=checker; the task has no checker")
+    judge = _Judge(mode, task.tolerance if task.tolerance is not None else DEFAULT_TOLERANCE, task.checker)
+    cases = [_run_stdin(str(i), solution, given, expected, executor, options, judge)
+             for i, (given, expected) in enumerate(zip(task.inputs, task.outputs))]
+    result = from_cases(task.task_id, "stdio", cases, "test")
+    return replace(result, reason=f"compare={mode}; {result.reason}" if result.reason else f"compare={mode}")
+
+
+def compare_output(mode: str, output: str, expected: str, tolerance: float = DEFAULT_TOLERANCE) -> str | None:
+    """The output against the expected one in a mode other than checker; None when accepted, else why not."""
+    if mode == "livecodebench":
+        return compare_stdout(output, expected)
+    if mode == "exact":
+        return compare_exact(output, expected)
+    if mode == "tokens":
+        return compare_tokens(output, expected)
+    if mode == "float":
+        return compare_tokens(output, expected, tolerance)
+    raise ValueError(f"no comparison named {mode!r}")
+
+
+def compare_exact(output: str, expected: str) -> str | None:
+    got, want = _trimmed_lines(output), _trimmed_lines(expected)
+    for number, (line, wanted) in enumerate(zip(got, want), 1):
+        if line != wanted:
+            return f"line {number}: expected {wanted[:80]!r}, got {line[:80]!r}"
+    if len(got) != len(want):
+        return f"expected {len(want)} lines, got {len(got)}"
+    return None
+
+
+def _trimmed_lines(text: str) -> list[str]:
+    lines = [line.rstrip() for line in text.split("\n")]
+    while lines and not lines[-1]:
+        lines.pop()
+    return lines
+
+
+_INTEGER = re.compile(r"[+-]?[0-9]+\Z")
+_NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?\Z")
+
+
+def compare_tokens(output: str, expected: str, tolerance: float | None = None) -> str | None:
+    """Whitespace tokens equal; with a tolerance, numbers within it (absolute, or relative to the expected)."""
+    got, want = output.split(), expected.split()
+    for number, (token, wanted) in enumerate(zip(got, want), 1):
+        if token != wanted and (tolerance is None or not _close(token, wanted, tolerance)):
+            return f"token {number}: expected {wanted[:80]!r}, got {token[:80]!r}"
+    if len(got) != len(want):
+        return f"expected {len(want)} tokens, got {len(got)}"
+    return None
+
+
+def _close(token: str, wanted: str, tolerance: float) -> bool:
+    if _INTEGER.match(token) and _INTEGER.match(wanted):
+        return int(token) == int(wanted)  # "+7" is 7; a big integer answer gets no tolerance
+    if not (_NUMBER.match(token) and _NUMBER.match(wanted)):
+        return False
+    got, want = float(token), float(wanted)
+    return abs(got - want) <= tolerance * max(1.0, abs(want))
 
 
 def compare_stdout(output: str, expected: str) -> str | None:
@@ -66,8 +162,31 @@ def _decimals(line: str) -> list[Decimal] | None:
         return None
 
 
+class _Judge:
+    def __init__(self, mode: str, tolerance: float, checker: str | None):
+        self.mode, self.tolerance, self.checker = mode, tolerance, checker
+
+    def __call__(self, given: str, expected: str, actual: bytes, executor: Executor,
+                 options: GradeOptions) -> tuple[CaseStatus, str]:
+        if self.mode != "checker":
+            mismatch = compare_output(self.mode, actual.decode("utf-8", "replace"), expected, self.tolerance)
+            return (CaseStatus.PASSED, "") if mismatch is None else (CaseStatus.FAILED, mismatch)
+        files = {CHECKER_FILE: self.checker.encode(), INPUT_FILE: given.encode(), EXPECTED_FILE: expected.encode(),
+                 ACTUAL_FILE: actual}
+        result = executor.run(RunRequest(argv=(options.python, CHECKER_FILE, INPUT_FILE, EXPECTED_FILE, ACTUAL_FILE),
+                                         files=files, env=dict(options.env), timeout=options.stdio_timeout,
+                                         memory_mb=options.memory_mb, max_output=options.max_output))
+        failure = process_failure(result)
+        if failure:
+            return CaseStatus.ERROR, f"checker: {failure[1]}"
+        if result.exit_code == 0:
+            return CaseStatus.PASSED, ""
+        said = last_line(result.stdout.decode("utf-8", "replace")) or last_line(result.stderr.decode("utf-8", "replace"))
+        return CaseStatus.FAILED, f"checker rejected (exit code {result.exit_code}){': ' + said if said else ''}"
+
+
 def _run_stdin(name: str, solution: str, given: str, expected: str, executor: Executor,
-               options: GradeOptions) -> CaseResult:
+               options: GradeOptions, judge: _Judge) -> CaseResult:
     result = executor.run(RunRequest(argv=(options.python, SOLUTION_FILE), stdin=given.encode(),
                                      files={SOLUTION_FILE: solution.encode()}, env=dict(options.env),
                                      timeout=options.stdio_timeout, memory_mb=options.memory_mb,
@@ -80,9 +199,8 @@ def _run_stdin(name: str, solution: str, given: str, expected: str, executor: Ex
         status, reason = CaseStatus.ERROR, f"exit code {result.exit_code}: {last_line(stderr)}"
     elif result.truncated:
         status, reason = CaseStatus.FAILED, "output went over the limit"
-    else:
-        mismatch = compare_stdout(result.stdout.decode("utf-8", "replace"), expected)
-        status, reason = (CaseStatus.PASSED, "") if mismatch is None else (CaseStatus.FAILED, mismatch)
+    else:  # the expected output is not in the candidate's request: only the judge (a checker's run) sees it
+        status, reason = judge(given, expected, result.stdout, executor, options)
     return CaseResult(name, status, reason, tail(stderr), result.wall_time)
 
 

@@ -5,8 +5,20 @@ run starts from a fresh copy of the instance, so state cannot carry between
 runs). The script mirrors SWE-bench's eval.sh: the candidate patch is applied
 with `git apply`, then `git apply --reject`, then `patch --fuzz=5`; the files
 the test patch touches are reset to base_commit and the test patch applied;
-the test command runs on the test patch's files. `access` decides what else is
-reverted (see access.py).
+the test command runs on the test patch's files (SWE-bench's directives: not
+its data files). `access` decides what else is reverted (see access.py).
+
+Test infrastructure the candidate's patch touches (access.infrastructure_kind:
+conftest.py, pytest.ini, sitecustomize.py, .pth files, entry_points.txt, the
+pytest sections of setup.cfg/tox.ini/pyproject.toml, bytecode) is copied aside
+before any patch is applied; in read-only and hidden modes it is put back
+after the candidate's patch (whole files, or only the pytest sections of
+shared files, by a stdlib-only script run with `python -I -S`, so no startup
+hook of the candidate's runs; if that script cannot run, the whole files go
+back), and each change dropped is reported. In open mode they are compared and
+flagged. The tests run with PYTHONDONTWRITEBYTECODE=1, a fresh
+PYTHONPYCACHEPREFIX and, for pytest, `-p no:cacheprovider`, so no bytecode or
+cache in the tree is read.
 
 Why the run's report cannot be forged by printing:
 - the script reads a random nonce from a file and deletes it before any
@@ -30,6 +42,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import secrets
 import shlex
 from dataclasses import dataclass
@@ -37,9 +50,10 @@ from dataclasses import dataclass
 from image_builder.runtime.execution import Executor, RunRequest, RunResult
 
 from image_builder.tasks import RepoTask
-from .access import TestAccess, reverted_files
+from .access import TestAccess, infrastructure_kind, reverted_files
 from .options import GradeOptions
 from .patches import refused_path, target_paths, touched_paths
+from image_builder.tasks import REPO_TEST_CMDS
 from .results import GradeResult, RepoReport, TaskStatus
 from .testlogs import TestStatus, junit_key, parse_junit, parse_pytest_log, parse_unittest_log
 
@@ -47,6 +61,9 @@ GRADER_DIR = ".ib-grader"  # written into the workdir by the run, moved out befo
 _SUCCESS = {TestStatus.PASSED.value, TestStatus.XFAIL.value}
 _NEUTRAL = {TestStatus.SKIPPED.value}
 MISSING, MISMATCH = "MISSING", "MISMATCH"
+# SWE-bench's NON_TEST_EXTS: files of a test patch that are data, not test directives.
+NON_TEST_EXTS = (".json", ".png", "csv", ".txt", ".md", ".jpg", ".jpeg", ".pkl", ".yml", ".yaml", ".toml")
+DEFAULT_TEST_CMD = RepoTask.test_cmd
 
 _SCRIPT_HEAD = r"""set -u
 exec 3>&2 2>&1  # fd 3: the grader's channel; everything else, git's chatter included, to stdout
@@ -66,16 +83,183 @@ apply_tests() {{ g apply --verbose "$G/test.patch" || {{ note test-patch-failed;
 reset_to_base() {{
   for f in "$@"; do g checkout -q {base} -- "$f" 2>/dev/null || rm -rf -- "$f"; done
 }}
+snapshot_infra() {{  # args: kind:path; copies what exists now to $G/orig
+  mkdir -p "$G/orig"
+  for a in "$@"; do f=${{a#*:}}
+    if [ -e "$f" ] || [ -L "$f" ]; then mkdir -p "$G/orig/$(dirname -- "$f")" && cp -a -- "$f" "$G/orig/$f"; fi
+  done
+}}
+infra() {{  # $1: restore|check; then kind:path; a note of what was (or would be) dropped
+  mode=$1; shift
+  if out=$({python} -I -S "$G/infra.py" "$mode" "$G/orig" "$@" 2>"$G/infra.err" </dev/null) && [ -n "$out" ]; then
+    note infra "$out"; return
+  fi
+  note infra-fallback "$(head -c 300 "$G/infra.err" | tr '\n' ' ')"
+  if [ "$mode" = restore ]; then
+    for a in "$@"; do f=${{a#*:}}; rm -rf -- "$f"
+      if [ -e "$G/orig/$f" ] || [ -L "$G/orig/$f" ]; then mkdir -p -- "$(dirname -- "$f")" && cp -a -- "$G/orig/$f" "$f"; fi
+    done
+  fi
+}}
+"""
+
+# Run inside the instance as `python -I -S infra.py MODE ORIG kind:path...` (stdlib only, any Python 3):
+# prints a JSON list of [path, what] for every change the candidate made to test infrastructure,
+# and with MODE=restore puts the snapshot's version back (for ini/toml files, only the pytest sections).
+INFRA_SCRIPT = r"""
+import json, os, re, shutil, sys
+
+mode, orig, args = sys.argv[1], sys.argv[2], sys.argv[3:]
+INI = {"tool:pytest", "pytest"}
+
+
+def read(path):
+    if os.path.islink(path) or not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
+        return f.read()
+
+
+def same_file(a, b):
+    if os.path.lexists(a) != os.path.lexists(b):
+        return False
+    if not os.path.lexists(a):
+        return True
+    if os.path.islink(a) or os.path.islink(b):
+        return os.path.islink(a) and os.path.islink(b) and os.readlink(a) == os.readlink(b)
+    if os.path.isfile(a) and os.path.isfile(b):
+        with open(a, "rb") as x, open(b, "rb") as y:
+            return x.read() == y.read()
+    return False
+
+
+def put_back(path):
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.unlink(path)
+    saved = os.path.join(orig, path)
+    if os.path.lexists(saved):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        if os.path.islink(saved):
+            os.symlink(os.readlink(saved), path)
+        else:
+            shutil.copy2(saved, path)
+
+
+def ini_name(line):
+    # iniconfig's rule (what pytest reads setup.cfg and tox.ini with)
+    s = line.rstrip()
+    if s[:1] != "[":
+        return False, None
+    for c in "#;":
+        s = s.split(c)[0].rstrip()
+    return (True, s[1:-1].strip()) if s.endswith("]") else (False, None)
+
+
+def toml_name(line):
+    s = line.strip()
+    if s[:1] != "[":
+        return False, None
+    inner = s.lstrip("[").split("]")[0]
+    return True, re.sub(r"[\s\"']", "", inner)
+
+
+def blocks(text, header):
+    out, name, cur = [], None, []
+    for line in text.splitlines(True):
+        is_header, new = header(line)
+        if is_header:
+            out.append((name, "".join(cur)))
+            name, cur = new, []
+        cur.append(line)
+    out.append((name, "".join(cur)))
+    return out
+
+
+def is_pytest(kind, name):
+    if name is None:
+        return False
+    return name in INI if kind == "ini" else name == "tool.pytest" or name.startswith("tool.pytest.")
+
+
+def splice(kind, base, cand):
+    header = ini_name if kind == "ini" else toml_name
+    ours = [b if b.endswith("\n") else b + "\n" for n, b in blocks(base or "", header) if is_pytest(kind, n)]
+    out, placed = [], False
+    for n, b in blocks(cand, header):
+        if is_pytest(kind, n):
+            if not placed:
+                out += ours
+                placed = True
+            continue
+        out.append(b)
+    if not placed and ours:
+        if out and out[-1] and not out[-1].endswith("\n"):
+            out.append("\n")
+        out += ours
+    return "".join(out)
+
+
+def toml_pytest_same(base, merged):
+    try:
+        import tomllib
+    except ImportError:
+        tomllib = None
+    if tomllib is not None:
+        try:
+            b, m = tomllib.loads(base or ""), tomllib.loads(merged)
+        except Exception:
+            return False
+        tb, tm = b.get("tool"), m.get("tool")
+        return (tb.get("pytest") if isinstance(tb, dict) else None) == (tm.get("pytest") if isinstance(tm, dict) else None)
+    # no parser: any other line that could name pytest must be one the base has too
+    def suspects(text):
+        return sorted(line.strip() for n, b in blocks(text or "", toml_name) if not is_pytest("toml", n)
+                      for line in b.splitlines() if "pytest" in line.lower() or "\\u" in line.lower())
+    return suspects(base) == suspects(merged)
+
+
+def sections(kind, text):
+    header = ini_name if kind == "ini" else toml_name
+    return [n for n, b in blocks(text or "", header) if is_pytest(kind, n)]
+
+
+found = []
+for arg in args:
+    kind, _, path = arg.partition(":")
+    saved = os.path.join(orig, path)
+    if kind in ("ini", "toml"):
+        base, cand = read(saved), read(path)
+        base_kind_ok = base is not None or not os.path.lexists(saved)
+        if cand is not None and base_kind_ok:
+            merged = splice(kind, base, cand)
+            if kind == "ini" or toml_pytest_same(base, merged):
+                if merged != cand:
+                    names = sorted(set(sections(kind, cand)) | set(sections(kind, base))) or ["pytest"]
+                    found.append([path, " ".join("[%s]" % n for n in names)])
+                    if mode == "restore":
+                        with open(path, "w", encoding="utf-8", errors="surrogateescape", newline="") as f:
+                            f.write(merged)
+                continue
+        elif cand is None and not os.path.lexists(path) and not sections(kind, base):
+            continue  # deleted, and it held no pytest config
+    if not same_file(saved, path):
+        found.append([path, "file"])
+        if mode == "restore":
+            put_back(path)
+print(json.dumps(found))
 """
 
 _SCRIPT_TAIL = r"""J=$(mktemp -d)
+export PYTHONDONTWRITEBYTECODE=1 PYTHONPYCACHEPREFIX="$(mktemp -d)"  # no bytecode in the tree is read or written
 echo ">>>>> $NONCE start"
 {command} < /dev/null 3>&-
 rc=$?
 echo ">>>>> $NONCE end"
 note exit "$rc"
 if [ -s "$J/junit.xml" ]; then note junit "$(base64 -w0 "$J/junit.xml")"; else note junit none; fi
-rm -rf "$J" "$G"
+rm -rf "$J" "$G" "$PYTHONPYCACHEPREFIX"
 """
 
 
@@ -85,38 +269,64 @@ def grade_repo(task: RepoTask, patch: str, executor: Executor, options: GradeOpt
         return GradeResult(task.task_id, "repo", TaskStatus.PATCH_FAILED,
                            reason=f"candidate patch touches {refused!r}: refused")
     test_files = target_paths(task.test_patch)
-    reverted = reverted_files(options.access, candidate_paths, test_files)
-    pytest = "pytest" in task.test_cmd.split()
-    command = " ".join([task.test_cmd, *(['--junitxml="$J/junit.xml"'] if pytest else []),
+    test_patch_paths = touched_paths(task.test_patch)  # renamed and deleted files too: all are reset
+    infra = [(kind, p) for p in candidate_paths if (kind := infrastructure_kind(p))
+             and (options.access is TestAccess.OPEN or p not in test_patch_paths)]
+    infra_paths = {p for _, p in infra}
+    reverted = [p for p in reverted_files(options.access, candidate_paths, test_patch_paths) if p not in infra_paths]
+    test_cmd = resolve_test_command(task, executor)
+    pytest = "pytest" in test_cmd.split()
+    command = " ".join([test_cmd, *(['--junitxml="$J/junit.xml"'] if pytest else []),
+                        *(["-p", "no:cacheprovider"] if pytest and "no:cacheprovider" not in test_cmd else []),
                         *map(shlex.quote, directives_for(task.repo, test_files))])
-    script = eval_script(task.base_commit, options.access, [*test_files, *reverted], command)
+    script = eval_script(task.base_commit, options.access, [*test_patch_paths, *reverted], command,
+                         infra=[f"{kind}:{p}" for kind, p in infra], python=options.python)
     nonce = secrets.token_hex(16)
     files = {f"{GRADER_DIR}/eval.sh": script, f"{GRADER_DIR}/nonce": nonce, f"{GRADER_DIR}/model.patch": patch,
-             f"{GRADER_DIR}/test.patch": task.test_patch}
+             f"{GRADER_DIR}/test.patch": task.test_patch, f"{GRADER_DIR}/infra.py": INFRA_SCRIPT}
     result = executor.run(RunRequest(argv=("bash", f"{GRADER_DIR}/eval.sh"),
                                      files={k: v.encode() for k, v in files.items()}, env=dict(options.env),
                                      timeout=options.repo_timeout, memory_mb=options.repo_memory_mb,
                                      max_output=options.repo_max_output))
-    return judge(task, read_run(result, nonce), options.access, reverted, task.test_cmd, pytest)
+    return judge(task, read_run(result, nonce), options.access, reverted, test_cmd, pytest,
+                 infra=[p for _, p in infra])
+
+
+def resolve_test_command(task: RepoTask, executor: Executor) -> str:
+    """The record's own test_cmd wins; else the instance's (a catalog's `test_command`, when the executor
+    says it); else SWE-bench's command for the repo. A record whose test_cmd equals the repo's default
+    cannot be told from one without."""
+    own = task.test_cmd not in (DEFAULT_TEST_CMD, REPO_TEST_CMDS.get(task.repo))
+    instance = getattr(executor, "test_command", None)
+    return task.test_cmd if own or not isinstance(instance, str) or not instance.strip() else instance
 
 
 def directives_for(repo: str, test_files: list[str]) -> list[str]:
-    """What the test command gets: the test patch's files; for Django's runner, their module names."""
+    """What the test command gets: the test patch's files but its data files (SWE-bench's NON_TEST_EXTS);
+    for Django's runner, their module names."""
     if repo != "django/django":
-        return test_files
+        return [path for path in test_files if not path.endswith(NON_TEST_EXTS)]
     modules = [path.removesuffix(".py") for path in test_files if path.endswith(".py")]
     return [m.removeprefix("tests/").replace("/", ".") for m in modules]
 
 
-def eval_script(base_commit: str, access: TestAccess, reset_paths: list[str], command: str) -> str:
+def eval_script(base_commit: str, access: TestAccess, reset_paths: list[str], command: str,
+                infra: list[str] = (), python: str = "python3") -> str:
+    """`infra`: the candidate's test-infrastructure paths as kind:path (see access.infrastructure_kind)."""
     steps = {
-        TestAccess.OPEN: ["apply_tests", "apply_candidate"],
-        TestAccess.READ_ONLY: ["apply_tests", "apply_candidate", "reset_to_base {paths}", "apply_tests"],
-        TestAccess.HIDDEN: ["apply_candidate", "reset_to_base {paths}", "apply_tests"],
+        TestAccess.OPEN: ["apply_tests", "snapshot_infra {infra}", "apply_candidate", "infra check {infra}"],
+        TestAccess.READ_ONLY: ["snapshot_infra {infra}", "apply_tests", "apply_candidate", "infra restore {infra}",
+                               "reset_to_base {paths}", "apply_tests"],
+        TestAccess.HIDDEN: ["snapshot_infra {infra}", "apply_candidate", "infra restore {infra}",
+                            "reset_to_base {paths}", "apply_tests"],
     }[access]
+    if not infra:
+        steps = [step for step in steps if "{infra}" not in step]
     paths = " ".join(shlex.quote(p) for p in dict.fromkeys(reset_paths))
-    head = _SCRIPT_HEAD.format(dir=GRADER_DIR, base=shlex.quote(base_commit))
-    return head + "\n".join(step.format(paths=paths) for step in steps) + "\n" + _SCRIPT_TAIL.format(command=command)
+    infra_args = " ".join(shlex.quote(a) for a in dict.fromkeys(infra))
+    head = _SCRIPT_HEAD.format(dir=GRADER_DIR, base=shlex.quote(base_commit), python=shlex.quote(python))
+    body = "\n".join(step.format(paths=paths, infra=infra_args) for step in steps)
+    return head + body + "\n" + _SCRIPT_TAIL.format(command=command)
 
 
 @dataclass
@@ -126,6 +336,7 @@ class Run:
     notes: dict[str, str]  # the grader channel's notes: model, exit, junit, errors
     apply_log: str  # stdout before the start marker: patch application
     test_log: str | None  # between the markers; None if the tests never started
+    finished: bool = False  # the end marker was seen: the test command ran to its end
 
 
 def read_run(result: RunResult, nonce: str) -> Run:
@@ -141,54 +352,78 @@ def read_run(result: RunResult, nonce: str) -> Run:
     if not started:
         return Run(result, notes, apply_log, None)
     test_log = rest.partition(end)[0] if end in rest else rest  # no end marker: cut short (timeout, output limit)
-    return Run(result, notes, apply_log, test_log)
+    return Run(result, notes, apply_log, test_log, end in rest)
 
 
 def judge(task: RepoTask, run: Run, access: TestAccess, reverted: list[str], test_cmd: str,
-          pytest: bool) -> GradeResult:
+          pytest: bool, infra: list[str] = ()) -> GradeResult:
+    """`infra`: the candidate's test-infrastructure paths the run protected (restored, or in open mode compared)."""
     notes = run.notes
+    extra = {"infra": _infra_changes(notes, access, infra)}
     if "model-failed" in notes:
         return GradeResult(task.task_id, "repo", TaskStatus.PATCH_FAILED,
                            reason="candidate patch does not apply (git apply, git apply --reject, patch --fuzz=5)",
-                           repo=_report(task, run, access, reverted, test_cmd, {}, "", []))
+                           repo=_report(task, run, access, reverted, test_cmd, {}, "", [], **extra))
     if "test-patch-failed" in notes or "error" in notes or run.test_log is None and not run.result.timed_out:
         why = ("test patch does not apply" if "test-patch-failed" in notes
                else notes.get("error") or "the evaluation script ended before the tests started")
         return GradeResult(task.task_id, "repo", TaskStatus.ERROR, reason=why,
-                           repo=_report(task, run, access, reverted, test_cmd, {}, "", []))
+                           repo=_report(task, run, access, reverted, test_cmd, {}, "", [], **extra))
     log_statuses = (parse_pytest_log if pytest else parse_unittest_log)(run.test_log or "")
-    statuses, crosscheck, mismatches = _crosscheck(task, log_statuses, notes.get("junit"), pytest)
-    report = _report(task, run, access, reverted, test_cmd, statuses, crosscheck, mismatches)
+    statuses, crosscheck, mismatches, skipped = _crosscheck(task, log_statuses, notes.get("junit"), pytest)
+    report = _report(task, run, access, reverted, test_cmd, statuses, crosscheck, mismatches, **extra)
     failing = [t for t, s in {**report.fail_to_pass, **report.pass_to_pass}.items()
                if s not in _SUCCESS and s not in _NEUTRAL]
     if report.resolved:
         reason = ""
     elif run.result.timed_out:
         reason = "the test run timed out"
+    elif not failing:
+        reason = "the test run did not finish"
     else:
         reason = f"{len(failing)} of the FAIL_TO_PASS/PASS_TO_PASS tests failed, first {failing[0]}"
+        if failing[0] in skipped:
+            reason += (" (skipped: pytest's -rA summary names a skipped test by its location, not its id, so "
+                       "SWE-bench's parser finds no status for it and counts it failed)")
     return GradeResult(task.task_id, "repo", TaskStatus.PASSED if report.resolved else TaskStatus.FAILED,
                        score=1.0 if report.resolved else 0.0, reason=reason, repo=report)
 
 
+def _infra_changes(notes: dict[str, str], access: TestAccess, infra: list[str]) -> list[str]:
+    """The candidate's test-infrastructure changes, as the run's note lists them: "path" for a whole
+    file, "path [section]" for a pytest section; every protected path when the run could not tell."""
+    if not infra:
+        return []
+    try:
+        found = json.loads(notes["infra"])
+        return [path if what == "file" else f"{path} {what}" for path, what in found]
+    except (KeyError, ValueError, TypeError):
+        return list(infra)  # the merge did not run (infra-fallback: whole files restored) or no note at all
+
+
 def _crosscheck(task: RepoTask, log_statuses: dict[str, TestStatus], junit_note: str | None,
-                pytest: bool) -> tuple[dict[str, str], str, list[str]]:
+                pytest: bool) -> tuple[dict[str, str], str, list[str], set[str]]:
+    """Statuses, how they were checked, the log/junit mismatches, and the tests junit says were skipped
+    that the log (as SWE-bench reads it) does not name: those are MISSING, as SWE-bench has them."""
     tests = [*task.fail_to_pass, *task.pass_to_pass]
     if not pytest:
-        return {t: log_statuses[t].value if t in log_statuses else MISSING for t in tests}, "log-only", []
+        return {t: log_statuses[t].value if t in log_statuses else MISSING for t in tests}, "log-only", [], set()
     junit = _junit(junit_note)
     if junit is None:
-        return {t: MISSING for t in tests}, "junit-missing", []
-    statuses, mismatches = {}, []
+        return {t: MISSING for t in tests}, "junit-missing", [], set()
+    statuses, mismatches, skipped = {}, [], set()
     for test in tests:
         from_log, from_junit = log_statuses.get(test), junit.get(junit_key(test))
         if from_log == from_junit:
             statuses[test] = from_log.value if from_log else MISSING
+        elif from_log is None and from_junit is TestStatus.SKIPPED:
+            statuses[test] = MISSING  # -rA lists a skip as "SKIPPED [1] file:line: why", without the test's id
+            skipped.add(test)
         else:
             statuses[test] = MISMATCH
             mismatches.append(f"{test}: log {from_log.value if from_log else MISSING}, "
                               f"junit {from_junit.value if from_junit else MISSING}")
-    return statuses, "junit", mismatches
+    return statuses, "junit", mismatches, skipped
 
 
 def _junit(note: str | None) -> dict | None:
@@ -201,11 +436,13 @@ def _junit(note: str | None) -> dict | None:
 
 
 def _report(task: RepoTask, run: Run, access: TestAccess, reverted: list[str], test_cmd: str,
-            statuses: dict[str, str], crosscheck: str, mismatches: list[str]) -> RepoReport:
+            statuses: dict[str, str], crosscheck: str, mismatches: list[str], infra: list[str] = ()) -> RepoReport:
     fail_to_pass = {t: statuses.get(t, MISSING) for t in task.fail_to_pass}
     pass_to_pass = {t: statuses.get(t, MISSING) for t in task.pass_to_pass}
     outcomes = [*fail_to_pass.values(), *pass_to_pass.values()]
-    resolved = bool(statuses) and all(s in _SUCCESS or s in _NEUTRAL for s in outcomes)
+    # SWE-bench with empty FAIL_TO_PASS and PASS_TO_PASS: resolved once the test output is complete
+    ran = bool(statuses) if outcomes else run.finished and not run.result.timed_out
+    resolved = ran and all(s in _SUCCESS or s in _NEUTRAL for s in outcomes)
     exit_note = run.notes.get("exit", "")
     applied = run.notes.get("model")
     return RepoReport(access=access.value, patch_applied_with=None if applied in (None, "none") else applied,
@@ -213,4 +450,6 @@ def _report(task: RepoTask, run: Run, access: TestAccess, reverted: list[str], t
                       test_exit_code=int(exit_note) if exit_note.isdigit() else None,
                       timed_out=run.result.timed_out, fail_to_pass=fail_to_pass, pass_to_pass=pass_to_pass,
                       resolved=resolved, crosscheck=crosscheck, mismatches=mismatches,
+                      dropped_changes=list(infra) if access is not TestAccess.OPEN else [],
+                      test_infrastructure_modified=list(infra) if access is TestAccess.OPEN else [],
                       apply_log=run.apply_log, log=run.test_log or "")
