@@ -280,3 +280,19 @@ def test_a_setup_cfg_plugin_in_addopts_is_dropped_in_the_sandbox(marshmallow_sto
                 "setup.cfg [tool:pytest]"]
         else:
             assert res["status"] == "failed" and res["repo"]["dropped_changes"] == ["setup.cfg [tool:pytest]"], res
+
+
+def test_a_task_without_an_instance_is_one_error_not_an_aborted_run(mbpp_store, tmp_path):
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"task_id": "512", "assert_case": ["assert True"]}) + "\n"
+                     + json.dumps({"task_id": "not-in-the-store", "assert_case": ["assert True"]}) + "\n")
+    predictions = tmp_path / "predictions.jsonl"
+    predictions.write_text("".join(json.dumps({"task_id": t, "solution": "x = 1\n"}) + "\n"
+                                   for t in ("not-in-the-store", "512")))
+    out = tmp_path / "results.jsonl"
+    r = grade(mbpp_store, tasks, predictions, out)
+    assert r.returncode == 0, r.stderr
+    got = results(out)
+    assert got["512"]["status"] == "passed"
+    assert got["not-in-the-store"]["status"] == "error" and "no instance 'not-in-the-store'" in \
+        got["not-in-the-store"]["reason"]

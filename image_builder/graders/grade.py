@@ -7,7 +7,6 @@ from typing import Callable, Iterable
 
 from image_builder.errors import ImageBuilderError
 from image_builder.runtime.execution import Executor
-
 from image_builder.tasks import AssertTask, BadTask, RepoTask, StdioTask, Task
 from .assert_cases import grade_asserts
 from .options import GradeOptions
@@ -42,7 +41,11 @@ def grade_prediction(prediction: Prediction, tasks: dict[str, Task], executor_fo
                            reason=f"no task with id {prediction.task_id!r}")
     if prediction.solution is None:
         return GradeResult(prediction.task_id, "", TaskStatus.NO_SOLUTION, reason=prediction.reason)
-    return grade(task, prediction.solution, executor_for(task), options)
+    try:
+        executor = executor_for(task)
+    except ImageBuilderError as exc:  # no instance for the task, a corrupt image: this task's error, not the run's
+        return GradeResult(task.task_id, "", TaskStatus.ERROR, reason=str(exc))
+    return grade(task, prediction.solution, executor, options)
 
 
 def grade_predictions(tasks: Iterable[Task], predictions: Iterable[Prediction], executor_for: ExecutorFor,

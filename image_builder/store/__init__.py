@@ -1,5 +1,6 @@
-"""A store on disk: where its files live (store.py), index.json and its sqlite
-lookup copy (index.py), and publishing a file whole (files.py).
+"""A store on disk: where its files live (store.py), the rule for ids that become
+file names (ids.py), index.json and its sqlite lookup copy (index.py), and
+publishing a file whole (files.py).
 
 May import: errors, oci (blob hashing). `image_builder.store.Store` is kept for scripts.
 """
