@@ -609,7 +609,9 @@ def _print_grades(summary, output: Path) -> None:
     click.echo(f"{summary.total} tasks: {summary.passed} passed ({summary.pass_rate:.1%}), "
                f"mean score {summary.mean_score:.3f}, timeouts in {summary.tasks_with_timeouts} tasks")
     for status, count in sorted(summary.by_status.items()):
-        click.echo(f"  {status:<14} {count}")
+        first = summary.first_ids.get(status)
+        more = "" if not first else f"  (first: {', '.join(map(repr, first))}{', ...' if count > len(first) else ''})"
+        click.echo(f"  {status:<14} {count}{more}")
     click.echo(f"results: {output}  (summary: {summary_path(output)})")
 
 

@@ -167,6 +167,7 @@ def test_every_prediction_gets_a_result(host, tmp_path):
     summary = summarize(results)
     assert (summary.total, summary.passed, summary.pass_rate) == (4, 1, 0.25)
     assert summary.by_status == {"passed": 1, "bad_task": 1, "unknown_task": 1, "no_solution": 1}
+    assert summary.first_ids == {"bad_task": ["517"], "unknown_task": ["999"], "no_solution": ["516"]}
     lines = write_jsonl(results, tmp_path / "out" / "results.jsonl").read_text().splitlines()
     record = json.loads(lines[0])
     assert (record["status"], record["passed"], record["score"], record["kind"]) == ("passed", True, 1.0, "assert")

@@ -296,3 +296,4 @@ def test_a_task_without_an_instance_is_one_error_not_an_aborted_run(mbpp_store, 
     assert got["512"]["status"] == "passed"
     assert got["not-in-the-store"]["status"] == "error" and "no instance 'not-in-the-store'" in \
         got["not-in-the-store"]["reason"]
+    assert "  error          1  (first: 'not-in-the-store')" in r.stdout, "the summary names it"

@@ -107,6 +107,9 @@ class Summary:
     by_status: dict[str, int]
     case_timeouts: int  # cases that hit their time limit, over all tasks
     tasks_with_timeouts: int  # tasks with at least one timed-out case or a timed-out test run
+    # The first ids of each status that is neither a pass nor a fail (unknown_task, bad_task, error, ...),
+    # so that a prediction keyed by the wrong id is never silent.
+    first_ids: dict[str, list[str]] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -121,7 +124,16 @@ def summarize(results: Iterable[GradeResult]) -> Summary:
     return Summary(total=total, passed=passed, pass_rate=passed / total if total else 0.0,
                    mean_score=sum(r.score for r in results) / total if total else 0.0,
                    by_status=dict(Counter(r.status.value for r in results)),
-                   case_timeouts=sum(timeouts), tasks_with_timeouts=sum(t > 0 for t in timeouts))
+                   case_timeouts=sum(timeouts), tasks_with_timeouts=sum(t > 0 for t in timeouts),
+                   first_ids=_first_ids(results))
+
+
+def _first_ids(results: list[GradeResult], keep: int = 5) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for r in results:
+        if r.status not in (TaskStatus.PASSED, TaskStatus.FAILED) and len(found.setdefault(r.status.value, [])) < keep:
+            found[r.status.value].append(r.task_id)
+    return found
 
 
 def write_jsonl(records: Iterable, path: Path) -> Path:
