@@ -36,18 +36,12 @@ def _repo_draft(task: RepoTask) -> InstanceDraft:
 
 
 def _case_draft(task: AssertTask | StdioTask) -> InstanceDraft:
-    if isinstance(task, AssertTask):
-        tests = {"assert_case": list(task.cases)}
-        kind = "assert_case"
-    else:
-        tests = {"inputs": list(task.inputs), "outputs": list(task.outputs),
-                 **({"fn_name": task.fn_name} if task.fn_name else {})}
-        kind = "stdio"
+    kind, cases = ("assert_case", task.cases) if isinstance(task, AssertTask) else ("stdio", task.inputs)
     # The tests stay out of the instance: candidate code runs there and must not read the expected
     # values (a solution that read /task/tests.json passed every case). Graders take them from the task
     # file on the host, so such an instance adds nothing to its environment: no overlay, no mount.
     return InstanceDraft(task.original_id, {"task_id": task.original_id}, {},
-                         {"kind": kind, "cases": len(tests.get("assert_case", tests.get("inputs", [])))})
+                         {"kind": kind, "cases": len(cases)})
 
 
 def drafts(path: Path) -> tuple[list[InstanceDraft], list[str]]:

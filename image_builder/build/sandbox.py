@@ -132,7 +132,7 @@ class Result:
     tail: tuple[str, ...]  # the last lines of output
 
 
-def clean_env(spec: SandboxSpec, backend: BuildBackend) -> dict[str, str]:
+def clean_env(spec: SandboxSpec) -> dict[str, str]:
     env = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8", "TERM": os.environ.get("TERM", "dumb"),
            "USER": "root", "LOGNAME": "root"}
     if spec.host_network_files:
@@ -348,7 +348,7 @@ def run(spec: SandboxSpec, argv: list[str], *, backend: BuildBackend | None = No
         staging = Path(tmp)
         # What the sandbox sees under /tmp/.image-builder: host CA bundle, apt.conf, staged files.
         _stage(staging / "files", spec, files or {})
-        if os.geteuid() == 0 and backend is BuildBackend.USERNS:
+        if os.geteuid() == 0:  # userns: proot is refused above
             for tree in (staging, *((spec.overlay.upper, spec.overlay.work) if spec.overlay else (spec.root,))):
                 hand_over(tree)
         fuse_mounts: list[Path] = []
@@ -362,7 +362,7 @@ def run(spec: SandboxSpec, argv: list[str], *, backend: BuildBackend | None = No
                 cmd = _proot_command(spec, argv, scratch)
             else:
                 cmd = _namespace_command(spec, argv, staging)
-            env = clean_env(spec, backend)
+            env = clean_env(spec)
             t0 = time.monotonic()
             if interactive:
                 return Result(subprocess.Popen(cmd, env=env).wait(), False, time.monotonic() - t0, ())

@@ -51,7 +51,7 @@ class StoreExecutors:
 
     def __init__(self, store: Store, *, backend: Backend | None = None, max_sessions: int = DEFAULT_MAX_SESSIONS):
         self.store, self.backend, self.max_sessions = store, backend, max(1, max_sessions)
-        self._sessions: OrderedDict[tuple, Session] = OrderedDict()  # by _layers_key, least recently used first
+        self._sessions: OrderedDict[tuple, Session] = OrderedDict()  # by layers, least recently used first
         self._busy: Counter[tuple] = Counter()
         self._lock = threading.Lock()
         self.peak_sessions = 0
@@ -66,8 +66,7 @@ class StoreExecutors:
         return _InstanceExecutor(self, InstanceLayers(resolved.env_sif, resolved.overlays, resolved.env,
                                                       resolved.workdir, resolved.digests), resolved.test_command)
 
-    def _acquire(self, layers: InstanceLayers) -> Session:
-        key = _layers_key(layers)
+    def _acquire(self, key: tuple, layers: InstanceLayers) -> Session:
         with self._lock:
             session = self._sessions.get(key)
             if session is None:
@@ -77,12 +76,13 @@ class StoreExecutors:
             surplus = len(self._sessions) - self.max_sessions
             for idle in [i for i in self._sessions if not self._busy[i]][:max(0, surplus)]:
                 self._sessions.pop(idle).close()  # the holder unmounts what no session uses
+                del self._busy[idle]
             self.peak_sessions = max(self.peak_sessions, len(self._sessions))
             return session
 
-    def _release(self, layers: InstanceLayers) -> None:
+    def _release(self, key: tuple) -> None:
         with self._lock:
-            self._busy[_layers_key(layers)] -= 1
+            self._busy[key] -= 1
 
     def close(self) -> None:
         with self._lock:
@@ -97,23 +97,21 @@ class StoreExecutors:
         self.close()
 
 
-def _layers_key(layers: InstanceLayers) -> tuple:
-    return layers.env_sif, layers.overlays, layers.workdir, tuple(sorted(layers.env.items()))
-
-
 class _InstanceExecutor:
     """What a grader is given: each run borrows its instance's session from the pool."""
 
     def __init__(self, pool: StoreExecutors, layers: InstanceLayers, test_command: str | None):
         self._pool, self._layers = pool, layers
+        # Sessions are shared by layers: instances that add nothing to one environment share its session.
+        self._key = layers.env_sif, layers.overlays, layers.workdir, tuple(sorted(layers.env.items()))
         self.test_command = test_command  # the catalog's, for repo graders (swebench.resolve_test_command)
 
     def run(self, request: RunRequest) -> RunResult:
-        session = self._pool._acquire(self._layers)
+        session = self._pool._acquire(self._key, self._layers)
         try:
             return session.run(request)
         finally:
-            self._pool._release(self._layers)
+            self._pool._release(self._key)
 
 
 def read_results(output: Path) -> list[GradeResult]:
