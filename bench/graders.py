@@ -3,7 +3,10 @@
 The 40 sample tasks' cases (reference solutions) and a synthetic batch of
 1,000 cases, graded with 2 workers through the store and runtime, against
 running the same `solution + case` scripts with bare `python3` (the physical
-limit here), also 2 at a time. Goal: at least 0.8x of that limit.
+limit here, and no protection: the case runs in the solution's process), also
+2 at a time. Goal: at least 0.8x of that limit. Each task costs an evaluator
+run besides a candidate run per case (graders/assert_cases.py); the latency row
+(1 worker) shows what that adds to one case.
 
 Scale: 5,000 one-case tasks, each in an instance of its own (a copy of one tiny
 overlay over the MBPP environment, indexed by hand), 2 workers: tasks per second
@@ -91,6 +94,28 @@ def scale_store(mbpp: Store, work: Path) -> Store:
     return Store.open(root)
 
 
+def latency_row(store: Store, tasks: list[AssertTask], solutions: dict[str, str], work: Path) -> Row:
+    """Milliseconds per case one at a time: the evaluator's run and the relay are what it adds."""
+    preds = [Prediction(t.task_id, solutions[t.original_id]) for t in tasks]
+    n_cases = sum(len(t.cases) for t in tasks)
+    with StoreExecutors(store) as executors:
+        grade_predictions(tasks[:2], preds[:2], executors, GradeOptions(), workers=1)
+        t0 = time.perf_counter()
+        grade_predictions(tasks, preds, executors, GradeOptions(), workers=1)
+        ours = time.perf_counter() - t0
+    (work / "bare1").mkdir(exist_ok=True)
+    scripts = []
+    for i, (solution, case) in enumerate((solutions[t.original_id], c) for t in tasks for c in t.cases):
+        scripts.append(work / "bare1" / f"case{i}.py")
+        scripts[-1].write_text(solution + "\n" + case + "\n")
+    t0 = time.perf_counter()
+    for path in scripts:
+        subprocess.run([sys.executable, "-I", str(path)], capture_output=True)
+    bare_time = time.perf_counter() - t0
+    return Row("40 MBPP tasks, 1 worker: milliseconds per case", 1000 * ours / n_cases,
+               "bare python3 on the host", 1000 * bare_time / n_cases, "report the difference", "ms")
+
+
 def holder_load(executors: StoreExecutors) -> tuple[int, int, int]:
     """(mounts, loop devices, inits) of the holder serving `executors` now."""
     sessions = list(executors._sessions.values())
@@ -169,6 +194,7 @@ def main() -> Report:
             # A throughput ratio: cases/s ours over cases/s bare (goal >= 0.8), i.e. bare time / our time.
             report.rows.append(Row(f"{name}: cases per second, {WORKERS} workers", n_cases / ours,
                                    "bare python3 on the host", n_cases / limit, ">= 0.8x", "cases/s"))
+        report.rows.append(latency_row(store, tasks, solutions, work))
         row, note = scale_row(store, work)
         report.rows.append(row)
         report.notes.append(note)

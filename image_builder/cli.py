@@ -545,7 +545,7 @@ def _grade_options(timeout, memory, strict, access):
 grade_limit_options = [
     click.option("--timeout", type=click.FloatRange(min=0, min_open=True), help="Seconds per case or test."),
     click.option("--memory", type=click.IntRange(1), metavar="MB", help="Memory per case or test."),
-    click.option("--strict", is_flag=True, help="Assert cases compare plain built-in values only."),
+    click.option("--strict", is_flag=True, help="Assert cases take no truth value from the solution's own objects."),
     click.option("--test-access", "access", type=click.Choice(["open", "read-only", "hidden"]), default="hidden",
                  show_default=True, help="ImpossibleBench's test-access mode for repo tasks."),
     runtime_backend_option,

@@ -180,6 +180,9 @@ def test_an_executor_failure_is_an_error_result():
         def run(self, request):
             raise OSError("instance is gone")
 
+        def stream(self, request, stdin=None, stdout=1, stderr=2):
+            raise OSError("instance is gone")
+
     result = grade(AssertTask("1", (RADIX_CASE,), "1"), RADIX, Broken())
     assert result.status is TaskStatus.ERROR and result.reason == "grading run failed: instance is gone"
 

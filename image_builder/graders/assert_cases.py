@@ -1,39 +1,280 @@
-"""Assert-case grading (verl `{"assert_case": [...]}`): each case a fresh standalone run.
+"""Assert-case grading (verl `{"assert_case": [...]}`): the cases run where the solution cannot reach.
 
-Each case runs as the script `solution + "\\n" + case`, in its own run with its
-own throwaway state, so nothing a solution writes (to the case file, the
-harness, the working directory) reaches another case. The case text comes from
-the grader with every run; candidate code never holds the tests between cases.
-Score: the fraction of cases passed, as verl's sandbox path scores them.
+Each task gets one evaluator run, which holds the cases, and each case one
+fresh candidate run, which holds the solution: two runs of the instance, two
+roots, two pid namespaces (assert_sides.py says what runs on each side and
+what that defends). This module is the relay between them: it forwards the
+messages of the two runs' stdout to the other's stdin, bounded in size, and
+takes the verdict only from the evaluator's stdout. The candidate's stderr
+(its prints go there too) is kept for the result. Score: the fraction of cases
+passed, as verl's sandbox path scores them.
 """
 
 from __future__ import annotations
 
-from image_builder.runtime.execution import Executor
+import os
+import select
+import struct
+import threading
+import time
+from importlib import resources
 
+from image_builder.runtime.execution import Executor, RunRequest, RunResult
 from image_builder.tasks import AssertTask
+from .assert_sides import Codec, ProtocolError
 from .options import GradeOptions
-from .pyharness import SCRATCH, harness_request, no_report_reason, process_failure, read_outcome
+from .pyharness import SCRATCH, no_report_reason, process_failure, tail
 from .results import CaseResult, CaseStatus, GradeResult, from_cases
 
-CASE_FILE = f"{SCRATCH}/_ib_case.py"
+SIDES_FILE = f"{SCRATCH}/_ib_sides.py"
+SIDES_PYC = f"{SCRATCH}/_ib_sides.pyc"
+CASES_FILE = f"{SCRATCH}/_ib_cases.json"
+SOLUTION_FILE = f"{SCRATCH}/_ib_solution.py"
+SIDES = resources.files(__package__).joinpath("assert_sides.py").read_bytes()
+
+MAX_FRAME = 64 << 20  # as assert_sides.MAX_FRAME
+GRACE = 5.0  # seconds past a case's timeout for the runs to report back
+HEADER = struct.Struct(">I")
 
 
 def grade_asserts(task: AssertTask, solution: str, executor: Executor, options: GradeOptions) -> GradeResult:
-    cases = [run_case(str(i), solution, case, executor, options) for i, case in enumerate(task.cases)]
+    mode = "strict" if options.strict else "plain"
+    with _COMPILED_LOCK:
+        known = ",".join(magic.hex() for magic in _COMPILED) or "-"
+    evaluator = _Run(executor, RunRequest(
+        argv=(options.python, "-S", SIDES_FILE, "evaluator", CASES_FILE, mode, known),
+        files={SIDES_FILE: SIDES, CASES_FILE: Codec.plain.enc(tuple(task.cases))}, env=dict(options.env),
+        timeout=(options.case_timeout + GRACE) * max(1, len(task.cases)) + GRACE, memory_mb=options.memory_mb,
+        max_output=0))
+    try:
+        program = _compiled(evaluator, time.monotonic() + options.case_timeout + GRACE)
+        if evaluator.error is not None:  # the executor failed, not the candidate
+            raise evaluator.error
+        cases = [_Case(str(i), solution, program, executor, options, evaluator).run() for i in range(len(task.cases))]
+    finally:
+        evaluator.stop()
+    if evaluator.error is not None:
+        raise evaluator.error
     return from_cases(task.task_id, "assert", cases, "case")
 
 
-def run_case(name: str, solution: str, case: str, executor: Executor, options: GradeOptions) -> CaseResult:
-    case_line = solution.count("\n") + 2  # where the case starts in the script, for strict mode
-    mode = ("script", CASE_FILE, "strict" if options.strict else "plain", str(case_line))
-    request, nonce = harness_request(mode, {CASE_FILE: solution + "\n" + case}, options.case_timeout, options)
-    result = executor.run(request)
-    outcome = read_outcome(result, nonce)
-    status, reason = {
-        "passed": (CaseStatus.PASSED, ""),
-        "failed": (CaseStatus.FAILED, "assertion failed"),
-        "exited": (CaseStatus.ERROR, "exited (sys.exit) before the case finished"),
-        "raised": (CaseStatus.ERROR, f"raised {outcome.detail}"),
-    }.get(outcome.kind) or process_failure(result) or (CaseStatus.ERROR, no_report_reason(result))
-    return CaseResult(name, status, reason, outcome.stderr_tail, result.wall_time)
+# assert_sides.py compiled by an evaluator, by the interpreter's magic number: the candidate's runs
+# start from it (5 ms a run less than compiling the source). An evaluator compiles it before it
+# reads a case, so no dataset code has touched it; and it only ever runs on the candidate's side.
+_COMPILED: dict[bytes, bytes] = {}
+_COMPILED_LOCK = threading.Lock()
+
+
+def _compiled(evaluator: _Run, deadline: float) -> tuple[str, bytes]:
+    """The candidate side's program: (path, content) to run."""
+    while not evaluator.over and time.monotonic() < deadline:
+        frame = evaluator.frames.pop()
+        if frame is None:
+            _pump((evaluator,), deadline)
+            continue
+        try:
+            magic, data = Codec.plain.dec(frame[1:]) if frame[:1] == b"p" else (None, b"")
+        except (ProtocolError, TypeError, ValueError):
+            break
+        with _COMPILED_LOCK:
+            if data and type(magic) is bytes and data.startswith(magic):
+                _COMPILED[magic] = data
+            pyc = _COMPILED.get(magic)
+        if pyc is not None:
+            return SIDES_PYC, pyc
+        break
+    return SIDES_FILE, SIDES  # the first case then sees why the evaluator failed
+
+
+def _pump(runs: tuple[_Run, ...], deadline: float) -> None:
+    """Wait until one of the runs' pipes is ready (or the deadline), and move what is ready."""
+    readers = {fd: f for r in runs for fd, f in ((r.stdout, r.read_out), (r.stderr, r.read_err)) if fd >= 0}
+    writers = [r.stdin for r in runs if r.outbox and r.stdin >= 0]
+    ready_r, _, _ = select.select(list(readers), writers, [], max(0.0, deadline - time.monotonic()))
+    for fd in ready_r:
+        readers[fd]()
+    for r in runs:
+        r.flush()
+
+
+class _Run:
+    """A streamed run whose stdin, stdout and stderr are pipes held here (our ends non-blocking)."""
+
+    def __init__(self, executor: Executor, request: RunRequest):
+        in_r, self.stdin = os.pipe2(os.O_CLOEXEC)
+        self.stdout, out_w = os.pipe2(os.O_CLOEXEC)
+        self.stderr, err_w = os.pipe2(os.O_CLOEXEC)
+        for fd in (self.stdin, self.stdout, self.stderr):
+            os.set_blocking(fd, False)
+        self.frames = _Frames()
+        self.outbox = bytearray()
+        self.err_tail = b""
+        self.result: RunResult | None = None
+        self.error: BaseException | None = None
+        self.started = time.monotonic()
+
+        def go() -> None:
+            try:
+                self.result = executor.stream(request, stdin=in_r, stdout=out_w, stderr=err_w)
+            except BaseException as exc:  # noqa: BLE001 - raised again in the grading thread
+                self.error = exc
+            finally:
+                for fd in (in_r, out_w, err_w):
+                    os.close(fd)
+
+        self.thread = threading.Thread(target=go, name="image-builder-assert-run", daemon=True)
+        self.thread.start()
+
+    @property
+    def over(self) -> bool:
+        return self.stdout < 0
+
+    def send(self, tag: bytes, payload: bytes) -> None:
+        if self.stdin >= 0:
+            self.outbox += HEADER.pack(len(payload) + 1) + tag + payload
+
+    def flush(self) -> None:
+        try:
+            while self.outbox and self.stdin >= 0:
+                del self.outbox[:os.write(self.stdin, self.outbox)]
+        except BlockingIOError:
+            pass
+        except OSError:  # the run is over: what it was sent does not matter any more
+            self.outbox.clear()
+
+    def read_out(self) -> None:
+        try:
+            chunk = os.read(self.stdout, 1 << 20)
+        except BlockingIOError:
+            return
+        if chunk:
+            self.frames.feed(chunk)
+        else:
+            self._close("stdout")
+
+    def read_err(self) -> None:
+        try:
+            chunk = os.read(self.stderr, 1 << 16)
+        except BlockingIOError:
+            return
+        if chunk:
+            self.err_tail = (self.err_tail + chunk)[-4 * 1024:]
+        else:
+            self._close("stderr")
+
+    def _close(self, name: str) -> None:
+        fd = getattr(self, name)
+        if fd >= 0:
+            os.close(fd)
+            setattr(self, name, -1)
+
+    def stop(self, wait: float | None = None) -> None:
+        """Close our ends: the run sees EOF on stdin, and a run still writing gets EPIPE and stops.
+        Then wait for its result."""
+        self._close("stdin")
+        self.thread.join(wait)
+        for name in ("stdout", "stderr"):
+            self._close(name)
+        self.thread.join()
+
+
+class _Frames:
+    """Length-prefixed frames out of a byte stream; over MAX_FRAME is a broken channel."""
+
+    def __init__(self):
+        self.buf = bytearray()
+        self.broken = ""
+
+    def feed(self, chunk: bytes) -> None:
+        self.buf += chunk
+
+    def pop(self) -> bytes | None:
+        if self.broken or len(self.buf) < HEADER.size:
+            return None
+        size = HEADER.unpack_from(self.buf)[0]
+        if not 1 <= size <= MAX_FRAME:
+            self.broken = f"a message of {size} bytes (at most {MAX_FRAME})"
+            return None
+        if len(self.buf) < HEADER.size + size:
+            return None
+        frame = bytes(self.buf[HEADER.size:HEADER.size + size])
+        del self.buf[:HEADER.size + size]
+        return frame
+
+
+class _Case:
+    def __init__(self, name: str, solution: str, program: tuple[str, bytes], executor: Executor,
+                 options: GradeOptions, evaluator: _Run):
+        self.name, self.options, self.evaluator = name, options, evaluator
+        self.candidate = _Run(executor, RunRequest(
+            argv=(options.python, program[0], "candidate", SOLUTION_FILE),
+            files={program[0]: program[1], SOLUTION_FILE: solution.encode()}, env=dict(options.env),
+            timeout=options.case_timeout, memory_mb=options.memory_mb, max_output=0))
+
+    def run(self) -> CaseResult:
+        try:
+            verdict = self._relay()
+        finally:
+            self.candidate.stop(GRACE)
+        if self.candidate.error is not None:
+            raise self.candidate.error
+        return self._result(verdict)
+
+    def _relay(self) -> list:
+        """Pass messages until the evaluator gives this case's verdict."""
+        ev, cand = self.evaluator, self.candidate
+        gone_told = False
+        gone = Codec.plain.enc(("gone", int(self.name)))  # names the case: the evaluator drops stale ones
+        deadline = cand.started + self.options.case_timeout + 2 * GRACE
+        while True:
+            for frame in iter(ev.frames.pop, None):
+                tag, payload = frame[:1], frame[1:]
+                if tag == b"v":
+                    try:
+                        verdict = Codec.plain.dec(payload)
+                    except ProtocolError:
+                        verdict = None
+                    if isinstance(verdict, tuple) and len(verdict) == 3 and all(type(v) is str for v in verdict):
+                        return list(verdict)
+                    return ["evaluator", "it sent a malformed verdict", ""]
+                if cand.over:
+                    ev.send(b"h", gone)  # each request after the end hears it again
+                else:
+                    cand.send(b"e", payload)
+            for frame in iter(cand.frames.pop, None):
+                ev.send(b"c", frame[1:])
+            if cand.frames.broken:
+                return ["broken", cand.frames.broken, ""]
+            if cand.over and not gone_told:
+                ev.send(b"h", gone)
+                gone_told = True
+            if ev.over or ev.frames.broken:
+                return ["evaluator", "it ended before giving a verdict: " + _last_line(ev.err_tail), ""]
+            if time.monotonic() > deadline:
+                return ["evaluator", "it gave no verdict in time", ""]
+            _pump((ev, cand), deadline)
+
+    def _result(self, verdict: list) -> CaseResult:
+        kind, detail, shown = verdict
+        result = self.candidate.result
+        wall = result.wall_time if result is not None else 0.0
+        stderr = self.candidate.err_tail.decode("utf-8", "replace")
+        if shown:
+            stderr = tail(stderr + ("\n" if stderr else "") + shown)
+        status, reason = {
+            "passed": (CaseStatus.PASSED, ""),
+            "failed": (CaseStatus.FAILED, "assertion failed"),
+            "refused": (CaseStatus.FAILED, detail),
+            "raised": (CaseStatus.ERROR, f"raised {detail}"),
+            "exited": (CaseStatus.ERROR, "exited (sys.exit) before the case finished"),
+            "broken": (CaseStatus.ERROR, f"the solution's process broke the grader's channel: {detail}"),
+            "bad_case": (CaseStatus.ERROR, detail),
+            "evaluator": (CaseStatus.ERROR, f"the evaluator failed: {detail}"),
+        }.get(kind) or (result is not None and process_failure(result)) or (
+            CaseStatus.ERROR, no_report_reason(result) if result is not None else "the run did not start")
+        return CaseResult(self.name, status, reason, tail(stderr), wall)
+
+
+def _last_line(data: bytes) -> str:
+    lines = [line for line in data.decode("utf-8", "replace").splitlines() if line.strip()]
+    return lines[-1].strip()[:200] if lines else "no message"

@@ -113,6 +113,13 @@ class _InstanceExecutor:
         finally:
             self._pool._release(self._key)
 
+    def stream(self, request: RunRequest, stdin: int | None = None, stdout: int = 1, stderr: int = 2) -> RunResult:
+        session = self._pool._acquire(self._key, self._layers)
+        try:
+            return session.stream(request, stdin, stdout, stderr)
+        finally:
+            self._pool._release(self._key)
+
 
 def read_results(output: Path) -> list[GradeResult]:
     """The results a file holds (a line cut short by a crash is skipped)."""

@@ -19,8 +19,9 @@ class GradeOptions:
     repo_timeout: float = 1800.0  # a whole repo-test run: SWE-bench's default
     repo_memory_mb: int | None = None  # SWE-bench sets none
     repo_max_output: int = 64 << 20  # -rA logs of big suites are long
-    # Beyond verl: assert cases compare `==` only between plain built-in values, so an object whose
-    # __eq__ always says True fails (call-based tests compare after a JSON round trip anyway).
+    # Beyond verl: in assert cases no truth value comes from the solution's own objects (their
+    # __bool__ and __eq__ between two of them are not asked; assert_sides.py). Comparing one with a
+    # plain value fails in every mode. Call-based tests compare after a JSON round trip anyway.
     strict: bool = False
     # How stdin/stdout output is compared (tasks.COMPARE_MODES) for tasks whose record does not say;
     # None: the data source's default (stdio.default_compare). A record's `compare` or `checker` wins.

@@ -1,14 +1,17 @@
-"""The Python harness that runs candidate code inside the instance, and how its runs are read.
+"""The Python harness that runs call-based candidate code inside the instance, and how its runs are read.
 
-Why a harness rather than `python3 script.py` and its exit code: a solution can
-end the process early with status 0 (`sys.exit(0)` or `os._exit(0)` at import,
-an `atexit` hook after the assertion failed), and a bare exit code calls that a
-pass. The harness runs the script as `__main__` (same file, same line numbers),
-then writes `<nonce> <outcome>` to stderr and leaves with os._exit. The nonce
-comes from a file that the harness deletes before any candidate code runs, so a
-solution cannot print a report it never saw; a run without the report failed.
-Code that digs the nonce out of the harness's own frames can still forge it:
-in-process code can always lie to an in-process checker.
+A call-based test (LiveCodeBench's functional problems) calls the solution's
+function and compares the returned value on the grader's side, after a JSON
+round trip. Why a harness rather than `python3 script.py`: a solution can end
+the process early with status 0 (`sys.exit(0)` or `os._exit(0)` at import, an
+`atexit` hook), and a bare exit code calls that a pass. The harness loads the
+solution as module `solution`, calls the function, then writes
+`<nonce> returned <JSON>` to stderr and leaves with os._exit. The nonce comes
+from a file that the harness deletes before any candidate code runs; a run
+without the report failed. Code that digs the nonce out of the harness's frames
+can forge a report, but only one carrying its own return value: the expected
+value never enters the run. (Assert cases, whose expected values are in the
+test code, run in assert_sides.py's evaluator instead.)
 
 The harness keeps to Python 3.6 syntax: instance images carry old interpreters.
 """
@@ -33,75 +36,9 @@ HARNESS_FILE = f"{SCRATCH}/_ib_harness.py"
 NONCE_FILE = f"{SCRATCH}/_ib_nonce"
 STDERR_TAIL = 1000
 
-# Only os, sys and types load up front: ast, json and traceback cost ~15 ms of start-up and
-# load only where needed (strict mode, call mode, a failure), since most runs are quick passes.
+# Only os, sys and types load up front: json and traceback load where needed.
 HARNESS = r'''
 import os, sys, types
-
-EQ = "__ib_strict_eq__"
-PLAIN = (int, float, complex, str, bytes, bool, type(None))
-
-
-def plain(value):
-    kind = type(value)
-    if kind in (list, tuple, set, frozenset):
-        return all(plain(item) for item in value)
-    if kind is dict:
-        return all(plain(k) and plain(v) for k, v in value.items())
-    return kind in PLAIN
-
-
-def strict_eq(left, right):
-    # Plain values compare with the built-in ==; a plain value never equals a non-plain one.
-    if plain(left) or plain(right):
-        return plain(left) and plain(right) and left == right
-    return left == right
-
-
-def strict_case(source, path, first_line):
-    """The case's code with each single `a == b` turned into strict_eq(a, b)."""
-    import ast
-
-    class Strict(ast.NodeTransformer):
-        def visit_Compare(self, node):
-            self.generic_visit(node)
-            if len(node.ops) == 1 and isinstance(node.ops[0], ast.Eq):
-                call = ast.Call(func=ast.Name(id=EQ, ctx=ast.Load()), args=[node.left, node.comparators[0]],
-                                keywords=[])
-                return ast.copy_location(call, node)
-            return node
-
-    tree = ast.parse(source, path)
-    ast.increment_lineno(tree, first_line - 1)
-    return compile(ast.fix_missing_locations(Strict().visit(tree)), path, "exec")
-
-
-def module_for(name, path):
-    module = types.ModuleType(name)
-    module.__file__ = path
-    module.__builtins__ = __builtins__
-    if name == "__main__":
-        sys.modules["__main__"] = module
-        sys.argv = [path]
-    return module
-
-
-def run_script(path, strict, case_line):
-    with open(path) as f:
-        source = f.read()
-    module = module_for("__main__", path)
-    if not strict:
-        exec(compile(source, path, "exec"), module.__dict__)
-        return
-    # The solution runs as written; only the case's == comparisons are rewritten, before any
-    # candidate code runs (it could plant its own `ast`), and the helper is put in place after
-    # the solution's top-level code has run.
-    lines = source.splitlines(True)
-    case = strict_case("".join(lines[case_line - 1:]), path, case_line)
-    exec(compile("".join(lines[:case_line - 1]), path, "exec"), module.__dict__)
-    module.__dict__[EQ] = strict_eq
-    exec(case, module.__dict__)
-
 
 def run_call(path, call_path):
     import json
@@ -109,7 +46,9 @@ def run_call(path, call_path):
         call = json.load(f)
     with open(path) as f:
         source = f.read()
-    module = module_for("solution", path)  # not __main__: LiveCodeBench imports call-based code
+    module = types.ModuleType("solution")  # not __main__: LiveCodeBench imports call-based code
+    module.__file__ = path
+    module.__builtins__ = __builtins__
     exec(compile(source, path, "exec"), module.__dict__)
     holder = module.__dict__.get("Solution")
     if isinstance(holder, type) and hasattr(holder, call["fn_name"]):
@@ -130,21 +69,13 @@ def show_exception():
 
 
 def main():
-    harness = sys.modules["__main__"]  # held: the script's module replaces it in sys.modules
     sys.path[0] = os.getcwd()  # imports as if the script were in the working directory, not in /tmp
-    mode, path = sys.argv[1], sys.argv[2]
+    path = sys.argv[2]
     with open("''' + NONCE_FILE + r'''") as f:
         nonce = f.read().strip()
     os.unlink("''' + NONCE_FILE + r'''")
     try:
-        if mode == "call":
-            outcome = "returned " + run_call(path, sys.argv[3])
-        else:
-            run_script(path, sys.argv[3] == "strict", int(sys.argv[4]))
-            outcome = "passed"
-    except AssertionError:
-        show_exception()
-        outcome = "failed"
+        outcome = "returned " + run_call(path, sys.argv[3])
     except SystemExit:
         outcome = "exited"
     except BaseException as exc:
@@ -156,7 +87,6 @@ def main():
         except BaseException:
             pass
     os.write(2, ("\n" + nonce + " " + outcome + "\n").encode("utf-8", "replace"))
-    del harness
     os._exit(0)  # candidate atexit hooks must not run after the report
 
 
@@ -166,7 +96,7 @@ main()
 
 @dataclass(frozen=True)
 class Outcome:
-    kind: str  # passed, failed, exited, raised, returned; "" when the harness never reported
+    kind: str  # returned, exited, raised; "" when the harness never reported
     detail: str  # the exception's name, or the returned JSON
     stderr_tail: str  # stderr without the report
 

@@ -63,3 +63,8 @@ class RunResult:
 
 class Executor(Protocol):
     def run(self, request: RunRequest) -> RunResult: ...
+
+    def stream(self, request: RunRequest, stdin: int | None = None, stdout: int = 1, stderr: int = 2) -> RunResult:
+        """run(), talking through the caller's descriptors as it goes (Session.stream): how a
+        grader holds a conversation with a run."""
+        ...

@@ -91,14 +91,20 @@ class HostExecutor:
         self.max_processes = max_processes
 
     def run(self, request: RunRequest) -> RunResult:
+        return self.stream(request, None, None, None)
+
+    def stream(self, request: RunRequest, stdin: int | None = None, stdout: int | None = 1,
+               stderr: int | None = 2) -> RunResult:
+        """As Session.stream: the run talks through these descriptors (None: kept, as run() does)."""
         run_dir = Path(tempfile.mkdtemp(prefix="ib-host-run-", dir="/var/tmp"))  # not under the /tmp it hides
         run_dir.chmod(0o711)  # the run's user reaches work/ through it; stdin stays root's, passed as an open fd
         try:
-            return self._run_in(run_dir, request)
+            return self._run_in(run_dir, request, stdin, stdout, stderr)
         finally:
             shutil.rmtree(run_dir, ignore_errors=True)
 
-    def _run_in(self, run_dir: Path, request: RunRequest) -> RunResult:
+    def _run_in(self, run_dir: Path, request: RunRequest, stdin_fd: int | None, stdout_fd: int | None,
+                stderr_fd: int | None) -> RunResult:
         work = run_dir / "work"
         if self.template is not None:
             shutil.copytree(self.template, work, symlinks=True)
@@ -123,15 +129,17 @@ class HostExecutor:
         try:
             with open(stdin_path, "rb") as stdin:
                 start = time.monotonic()
-                proc = subprocess.Popen(self._argv(request, status_write, tmp), cwd=cwd, env=env, stdin=stdin,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(status_write,),
-                                        start_new_session=True)
+                given = stdin if request.stdin is not None or stdin_fd is None else stdin_fd
+                proc = subprocess.Popen(self._argv(request, status_write, tmp), cwd=cwd, env=env, stdin=given,
+                                        stdout=subprocess.PIPE if stdout_fd is None else stdout_fd,
+                                        stderr=subprocess.PIPE if stderr_fd is None else stderr_fd,
+                                        pass_fds=(status_write,), start_new_session=True)
         except OSError:
             os.close(status_read)
             raise
         finally:
             os.close(status_write)
-        readers = [_CappedReader(proc.stdout, request.max_output), _CappedReader(proc.stderr, request.max_output)]
+        readers = [_CappedReader(pipe, request.max_output) for pipe in (proc.stdout, proc.stderr) if pipe]
         timed_out = False
         try:
             proc.wait(timeout=request.timeout)
@@ -144,12 +152,12 @@ class HostExecutor:
             reader.join()
         with os.fdopen(status_read, "rb") as status_pipe:
             report = status_pipe.read().decode()
-        stdout, stderr = readers[0].data, readers[1].data
+        stdout, stderr = (readers[0].data, readers[1].data) if readers else (b"", b"")
         exit_code, sig, peak = _decode(report, timed_out)
         return RunResult(exit_code=exit_code, signal=sig, timed_out=timed_out,
                          out_of_memory=exit_code not in (0, None) and b"MemoryError" in stderr[-4096:],
                          wall_time=wall, peak_memory_kb=peak, stdout=stdout, stderr=stderr,
-                         truncated=readers[0].truncated or readers[1].truncated)
+                         truncated=any(reader.truncated for reader in readers))
 
     def _argv(self, request: RunRequest, status_fd: int, tmp: Path) -> list[str]:
         ns = ["unshare", "--pid", "--mount", "--fork", "--kill-child"]

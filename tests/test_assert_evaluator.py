@@ -1,0 +1,158 @@
+"""What crosses between an assert case and the solution: plain values keep Python's semantics,
+the solution's own objects stay in its process, and what would hand it the verdict is refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from image_builder.graders import AssertTask, CaseStatus, GradeOptions, grade
+from image_builder.graders.assert_sides import Codec, ProtocolError
+from tests.support.host_executor import HostExecutor
+
+
+@pytest.fixture(scope="module")
+def host():
+    return HostExecutor()
+
+
+def run(host, solution: str, *cases: str, strict: bool = False):
+    result = grade(AssertTask("t", cases, "t"), solution, host, GradeOptions(strict=strict, case_timeout=5))
+    return [(c.status, c.reason) for c in result.cases]
+
+
+PASSED = (CaseStatus.PASSED, "")
+
+# Returns of library types compare as in one process (the original harness): a Counter equals its
+# dict, a namedtuple its tuple, an OrderedDict a dict; attribute reads of a namedtuple work.
+LIBRARY = (
+    "import collections, decimal, fractions\n"
+    "Point = collections.namedtuple('Point', 'x y')\n"
+    "def counts(s): return collections.Counter(s)\n"
+    "def ordered(): return collections.OrderedDict([('b', 1), ('a', 2)])\n"
+    "def grouped(): d = collections.defaultdict(list); d[1].append(2); return d\n"
+    "def point(): return Point(1, 2)\n"
+    "def window(): return collections.deque([1, 2, 3], maxlen=3)\n"
+    "def money(): return decimal.Decimal('1.10')\n"
+    "def third(): return fractions.Fraction(1, 3)\n"
+    "def odd(): return [float('nan'), -0.0, 1e308 * 10, 2 ** 200, -(2 ** 70), 3 + 4j, b'\\x00\\xff',"
+    " bytearray(b'ab'), frozenset({1}), {(1, 2): {3}}, range(3), '\\udcff', True, None]\n"
+)
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+def test_library_values_compare_as_in_one_process(host, strict):
+    cases = [
+        "assert counts('aab') == {'a': 2, 'b': 1} and type(counts('a')).__name__ == 'Counter'",
+        "assert ordered() == {'a': 2, 'b': 1} and list(ordered()) == ['b', 'a']",
+        "assert grouped() == {1: [2]} and grouped()[5] == []",
+        "assert point() == (1, 2) and point().y == 2",
+        "assert list(window()) == [1, 2, 3] and window().maxlen == 3",
+        "assert money() == __import__('decimal').Decimal('1.1') and str(money()) == '1.10'",
+        "assert third() * 3 == 1",
+        "v = odd()\nassert v[0] != v[0] and str(v[1]) == '-0.0' and v[2] == float('inf')\n"
+        "assert v[3] == 2 ** 200 and v[4] == -(2 ** 70) and v[5] == 3 + 4j and v[6] == b'\\x00\\xff'\n"
+        "assert v[7] == bytearray(b'ab') and v[8] == frozenset({1}) and v[9] == {(1, 2): {3}}\n"
+        "assert v[10] == range(3) and v[11] == '\\udcff' and v[12] is True and v[13] is None",
+        "assert counts('ab') == {'a': 1, 'b': 2}",  # and a wrong answer still fails
+    ]
+    assert run(host, LIBRARY, *cases, strict=strict) == [PASSED] * 8 + [(CaseStatus.FAILED, "assertion failed")]
+
+
+def test_numpy_numbers_compare_as_the_numbers_they_hold(host):
+    # A stand-in for numpy (not installed here) with the attributes the codec reads.
+    fake = ("import sys, types\n"
+            "numpy = types.ModuleType('numpy')\n"
+            "class generic:\n"
+            "    __module__ = 'numpy'\n"
+            "    dtype = types.SimpleNamespace(kind='i')\n"
+            "    def __init__(self, v): self.v = v\n"
+            "    def item(self): return self.v\n"
+            "numpy.generic = generic\n"
+            "sys.modules['numpy'] = numpy\n"
+            "def total(xs): return generic(sum(xs))\n")
+    assert run(host, fake, "assert total([1, 2]) == 3 and type(total([1])) is int") == [PASSED]
+
+
+def test_the_solutions_objects_stay_in_its_process_and_work(host):
+    solution = ("class Pair:\n"
+                "    def __init__(self, a, b): self.a, self.b = a, b\n"
+                "def longest_chain(pairs, n):\n"
+                "    pairs = sorted(pairs, key=lambda p: p.b)\n"
+                "    end, count = float('-inf'), 0\n"
+                "    for p in pairs:\n"
+                "        if p.a > end: end, count = p.b, count + 1\n"
+                "    return count\n"
+                "class Stack:\n"
+                "    def __init__(self): self.items = []\n"
+                "    def push(self, x): self.items.append(x)\n"
+                "    def pop(self): return self.items.pop()\n"
+                "def squares(n):\n"
+                "    for i in range(n): yield i * i\n"
+                "def sort_in_place(xs, table):\n"
+                "    xs.sort(); table['sorted'] = True\n"
+                "def apply(fn, x): return fn(x)\n"
+                "def check(x):\n"
+                "    if x < 0: raise ValueError('negative')\n"
+                "    return x\n")
+    cases = [
+        "assert longest_chain([Pair(5, 24), Pair(15, 25), Pair(27, 40), Pair(50, 60)], 4) == 3",
+        "s = Stack()\ns.push(1)\ns.push(2)\nassert s.pop() == 2 and s.items == [1]",
+        "assert list(squares(4)) == [0, 1, 4, 9] and sum(squares(3)) == 5",
+        "xs, table = [3, 1, 2], {}\nsort_in_place(xs, table)\nassert xs == [1, 2, 3] and table == {'sorted': True}",
+        "assert apply(lambda v: v * 2, 21) == 42",
+        "try:\n    check(-1)\nexcept ValueError as e:\n    assert str(e) == 'negative'\nelse:\n    assert False",
+    ]
+    assert run(host, solution, *cases) == [PASSED] * 6
+
+
+def test_what_would_hand_the_solution_the_verdict_is_refused(host):
+    solution = ("class math:\n"  # a fake module: the case would pass it the expected value
+                "    isclose = staticmethod(lambda *a, **k: True)\n"
+                "def abs(x): return 0\n"  # a builtin the case uses: the real one is used
+                "class Box:\n"
+                "    def __contains__(self, x): return True\n"
+                "    def __eq__(self, other): return True\n"
+                "    __hash__ = object.__hash__\n"
+                "def area(r): return 1.0\n"
+                "def box(): return Box()\n")
+    got = run(host, solution,
+              "assert math.isclose(area(1), 3.14159, rel_tol=1e-3)",
+              "assert abs(area(1) - 3.14159) < 1e-3",
+              "assert 5 in box()",
+              "assert [box()] == [1]",
+              "import math\nassert math.isclose(area(1), 1.0)")  # the case's own import: the real module
+    assert got == [
+        (CaseStatus.FAILED, "the case uses 'math' as a module, and the solution binds it to a type instead"),
+        (CaseStatus.FAILED, "assertion failed"),
+        (CaseStatus.FAILED, "the case asked for membership in the solution's Box object, which is not plain data"),
+        (CaseStatus.FAILED, "the case compared with a plain value the solution's Box object, which is not plain data"),
+        PASSED,
+    ]
+
+
+def test_strict_mode_takes_no_truth_from_the_solutions_code(host):
+    solution = ("class Flag:\n"
+                "    def __bool__(self): return True\n"
+                "    def __eq__(self, other): return True\n"
+                "    __hash__ = object.__hash__\n"
+                "def flag(): return Flag()\n")
+    cases = ("assert flag()", "assert flag() == flag()")
+    assert run(host, solution, *cases) == [PASSED, PASSED]  # as in one process
+    assert run(host, solution, *cases, strict=True) == [
+        (CaseStatus.FAILED, "strict mode: the case tested the truth of an object of the solution"),
+        (CaseStatus.FAILED, "strict mode: the case compared an object of the solution")]
+
+
+def test_a_solution_that_breaks_the_channel_or_dies_is_an_error(host):
+    garbage = "import os\ndef f():\n    os.write(1, b'\\x00\\x00\\x00\\x05xjunk')\n    os.write(3, b'\\xff' * 8)\n"
+    assert run(host, garbage, "assert f() == 1")[0][0] is CaseStatus.ERROR
+    died = run(host, "import os\ndef f():\n    os._exit(3)\n", "assert f() == 1")
+    assert died == [(CaseStatus.ERROR, "ended without a report (exit code 3): the process left before the case "
+                                       "finished")]
+
+
+@pytest.mark.parametrize("data", [b"", b"Z", b"l\xff\xff\xff\xff", b"i\x00\x00\x00\x09\x01", b"u\x00\x00\x00\x01\xff",
+                                  b"x\x00\x00\x00\x01l\x00\x00\x00\x00N", b"NN", b"h\x00", b"l" * 100000])
+def test_malformed_data_is_a_protocol_error(data):
+    with pytest.raises(ProtocolError):
+        Codec.plain.dec(data)
