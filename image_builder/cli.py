@@ -562,6 +562,17 @@ def _with(options):
     return decorate
 
 
+# What grade and slurm grade take beyond the limits (grade passes them on to every array task).
+grade_run_options = [
+    click.option("--compare", type=click.Choice(["exact", "tokens", "float", "livecodebench", "checker"]),
+                 help="How stdin/stdout output is compared, for tasks whose record does not say (default: by data "
+                 "source: float for CodeContests/Codeforces, else LiveCodeBench's)."),
+    click.option("--instance", metavar="ID", help="Grade tasks that have no instance of their own in this one."),
+    click.option("--net", is_flag=True, help="Repo tests run with the network (SWE-bench's harness has it); the "
+                 "results record it. Assert and stdin/stdout runs never get it."),
+]
+
+
 tasks_option = click.option("--tasks", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
                             help="verl parquet, JSONL, or SWE-bench/ImpossibleBench JSONL.")
 predictions_option = click.option("--predictions", type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -578,11 +589,10 @@ predictions_option = click.option("--predictions", type=click.Path(exists=True, 
 @click.option("--shard", metavar="K/N", help="Grade the K-th of N slices (K from 0), whole instances at a time; "
               "`image-builder results merge` joins the slices' files.")
 @_with(grading_options)
-@click.option("--compare", type=click.Choice(["exact", "tokens", "float", "livecodebench", "checker"]),
-              help="How stdin/stdout output is compared, for tasks whose record does not say (default: by data "
-              "source: float for CodeContests/Codeforces, else LiveCodeBench's).")
+@_with(grade_run_options)
 @_one_line_errors
-def grade(store, tasks, predictions, output, shard, jobs, timeout, memory, strict, access, backend, compare):
+def grade(store, tasks, predictions, output, shard, jobs, timeout, memory, strict, access, backend, compare,
+          instance, net):
     """Grade PREDICTIONS against TASKS, each in its instance of STORE."""
     from dataclasses import replace
     from image_builder.graders import load_predictions, load_tasks
@@ -596,9 +606,12 @@ def grade(store, tasks, predictions, output, shard, jobs, timeout, memory, stric
     already = len({r.task_id for r in read_results(output)} & {p.task_id for p in preds})
     if already:
         click.echo(f"resuming: {already} of {len(preds)} results already in {output}", err=True)
-    with StoreExecutors(Store.open(store), backend=Backend(backend) if backend else None) as executors, \
+    opened = Store.open(store)
+    if instance is not None:
+        opened.resolve(instance)  # UnknownInstance now, in one line, not once per task
+    with StoreExecutors(opened, backend=Backend(backend) if backend else None, fallback=instance) as executors, \
             _grade_progress(len(preds) - already) as progress:
-        options = replace(_grade_options(timeout, memory, strict, access), compare=compare)
+        options = replace(_grade_options(timeout, memory, strict, access), compare=compare, repo_network=net)
         grade_to_file(task_list, preds, executors, output, options=options, workers=jobs, on_result=progress)
     wanted = {p.task_id for p in preds}
     _print_grades(write_summary((r for r in read_results(output) if r.task_id in wanted), output), output)
@@ -613,6 +626,24 @@ def _print_grades(summary, output: Path) -> None:
         more = "" if not first else f"  (first: {', '.join(map(repr, first))}{', ...' if count > len(first) else ''})"
         click.echo(f"  {status:<14} {count}{more}")
     click.echo(f"results: {output}  (summary: {summary_path(output)})")
+
+
+@main.command()
+@click.argument("results", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@tasks_option
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
+              help="Where the regraded results go (default: RESULTS itself, replaced whole).")
+@_one_line_errors
+def regrade(results, tasks, output):
+    """Judge the repo results of RESULTS again from the files each run kept (RESULTS.artifacts/<id>/:
+    eval.sh, model.patch, test_output.txt, junit.xml, run.json), against TASKS; nothing runs."""
+    from image_builder.graders import load_tasks
+    from image_builder.graders.grading import regrade as regrade_results
+    output = output or results
+    summary, changed = regrade_results(results, load_tasks(tasks), output)
+    click.echo(f"{len(changed)} results changed" + (f" (first: {', '.join(map(repr, changed[:5]))})"
+                                                     if changed else ""))
+    _print_grades(summary, output)
 
 
 @main.group(name="results")
@@ -754,16 +785,21 @@ def slurm_build(catalog, store, shards, partition, time_limit, cpus_per_task, sb
 @click.option("--shards", type=click.IntRange(1), required=True, help="Array tasks the predictions are split over.")
 @_with(sbatch_options)
 @_with(grade_limit_options)
+@_with(grade_run_options)
 @wait_option
 @poll_option
 @_one_line_errors
 def slurm_grade(store, tasks, predictions, output, shards, partition, time_limit, cpus_per_task, sbatch_args,
-                timeout, memory, strict, access, backend, wait, poll):
+                timeout, memory, strict, access, backend, compare, instance, net, wait, poll):
     """Grade PREDICTIONS as a Slurm job array (each task grading --cpus-per-task at once), then merge the results."""
     from image_builder import slurm
+    from image_builder.store.store import Store
+    if instance is not None:
+        Store.open(store).resolve(instance)  # refused here, not in every array task
     grade_args = [*(("--timeout", str(timeout)) if timeout else ()), *(("--memory", str(memory)) if memory else ()),
                   *(("--strict",) if strict else ()), "--test-access", access,
-                  *(("--backend", backend) if backend else ())]
+                  *(("--backend", backend) if backend else ()), *(("--compare", compare) if compare else ()),
+                  *(("--instance", instance) if instance else ()), *(("--net",) if net else ())]
     plan = slurm.grade_plan(store, tasks, predictions, output, shards, tuple(grade_args))
     _launch(plan, slurm.SbatchOptions(partition, time_limit, cpus_per_task, sbatch_args), wait, poll)
 

@@ -2,6 +2,6 @@
 file, `name=compute_score` (graders/rewards.py has the code and its documentation).
 verl loads the file by its path, outside any package: absolute imports only."""
 
-from image_builder.graders.rewards import INSTANCE_ENV, STORE_ENV, compute_score
+from image_builder.graders.rewards import INSTANCE_ENV, OPTIONS_ENV, STORE_ENV, compute_score
 
-__all__ = ["INSTANCE_ENV", "STORE_ENV", "compute_score"]
+__all__ = ["INSTANCE_ENV", "OPTIONS_ENV", "STORE_ENV", "compute_score"]

@@ -12,6 +12,7 @@ from image_builder.graders import (AssertTask, BadTask, GradeResult, Prediction,
                                    extract_code, grade, grade_predictions, load_predictions, load_tasks,
                                    parse_ground_truth, rewards, summarize, write_jsonl)
 from image_builder.graders.errors import GraderError
+from image_builder.graders.predictions import NO_CODE
 from image_builder.tasks import DatasetError, task_from_record
 from tests.support.grader_data import MBPP_IMPOSSIBLE, MBPP_TASKS, SWEBENCH, mbpp_solutions
 from tests.support.host_executor import HostExecutor
@@ -132,7 +133,8 @@ def test_the_last_python_block_is_the_solution():
     assert extract_code("```py\nx = 1\n```") == "x = 1\n"
     assert extract_code("```\nx = 2\n```\ntext") == "x = 2\n"
     assert extract_code("```bash\nls\n```") is None
-    assert extract_code("def f(): pass") is None
+    assert extract_code("def f(): pass") == "def f(): pass"  # a bare program
+    assert extract_code("Use a loop: for each item, add it.") is None
 
 
 def test_predictions_file(tmp_path):
@@ -148,7 +150,7 @@ def test_predictions_file(tmp_path):
     ]) + "\nnot json\n")
     assert load_predictions(path) == [
         Prediction("516", RADIX), Prediction("517", RADIX),
-        Prediction("518", None, "no ```python block in the response"), Prediction("519", RADIX),
+        Prediction("518", None, NO_CODE), Prediction("519", RADIX),
         Prediction("a__b-1", "diff --git a/x b/x\n"), Prediction("a__b-2", ""),
         Prediction("520", None, "no solution, model_patch or response string"),
         Prediction("line 8", None, "line 8 is not JSON: Expecting value: line 1 column 1 (char 0)")]
@@ -157,12 +159,17 @@ def test_predictions_file(tmp_path):
 def test_every_prediction_gets_a_result(host, tmp_path):
     tasks = [AssertTask("516", (RADIX_CASE,), "516"), BadTask("517", "ground truth is not JSON: x")]
     predictions = [Prediction("516", RADIX), Prediction("517", RADIX), Prediction("999", RADIX),
-                   Prediction("516", None, "no ```python block in the response")]
+                   Prediction("516", None, NO_CODE)]
     results = grade_predictions(tasks, predictions, lambda task: host)
     assert [(r.task_id, r.status) for r in results] == [
         ("516", TaskStatus.PASSED), ("517", TaskStatus.BAD_TASK), ("999", TaskStatus.UNKNOWN_TASK),
         ("516", TaskStatus.NO_SOLUTION)]
     assert results[2].reason == "no task with id '999'"
+    variants = [AssertTask("516__oneoff", (RADIX_CASE,), "516", "oneoff"),
+                AssertTask("516__conflicting", (RADIX_CASE,), "516", "conflicting")]
+    keyed_by_original = grade_predictions(variants, [Prediction("516", RADIX)], lambda task: host)[0]
+    assert keyed_by_original.reason == ("no task with id '516'; the tasks hold its variants '516__conflicting', "
+                                        "'516__oneoff': key predictions by those")
 
     summary = summarize(results)
     assert (summary.total, summary.passed, summary.pass_rate) == (4, 1, 0.25)
@@ -203,16 +210,44 @@ def test_compute_score_on_real_mbpp_rows(reward_executor):
         response = f"Reasoning...\n```python\n{solutions[task.task_id]}\n```"
         ground_truth = json.dumps({"assert_case": list(task.cases)})
         assert rewards.compute_score("mbpp", response, ground_truth, {"task_id": int(task.task_id)}) == {
-            "score": 1.0, "all_passed": 1.0}
+            "score": 1.0, "all_passed": 1.0, "graded": 1.0}
     half = parse_ground_truth("x", {"assert_case": [RADIX_CASE, "assert radix_sort([1]) == [2]"]})
     assert rewards.compute_score("mbpp", f"```python\n{RADIX}```", {"assert_case": list(half.cases)}) == {
-        "score": 0.5, "all_passed": 0.0}
+        "score": 0.5, "all_passed": 0.0, "graded": 1.0}
 
 
-def test_compute_score_gives_zero_for_bad_input(reward_executor):
+NOT_GRADED = {"score": 0.0, "all_passed": 0.0, "graded": 0.0}
+
+
+def test_compute_score_gives_zero_for_bad_input(reward_executor, caplog):
     assert rewards.compute_score("mbpp", "no code here", json.dumps({"assert_case": [RADIX_CASE]})) == {
-        "score": 0.0, "all_passed": 0.0}
-    assert rewards.compute_score("mbpp", f"```python\n{RADIX}```", "{broken") == {"score": 0.0, "all_passed": 0.0}
+        "score": 0.0, "all_passed": 0.0, "graded": 1.0}  # the response's fault: a real zero
+    assert rewards.compute_score("mbpp", f"```python\n{RADIX}```", "{broken", {"task_id": 7}) == NOT_GRADED
+    assert "task 7 not graded: ground truth is not JSON" in caplog.text
+
+
+def test_compute_score_grades_a_bare_program(reward_executor):
+    assert rewards.compute_score("livecodebench", RADIX, {"assert_case": [RADIX_CASE]}) == {
+        "score": 1.0, "all_passed": 1.0, "graded": 1.0}
+    prose = "The answer is to sort the list, then return it."
+    assert rewards.compute_score("livecodebench", prose, {"assert_case": [RADIX_CASE]})["graded"] == 1.0
+
+
+FLAG = "```python\nclass Flag:\n    def __bool__(self): return True\ndef flag(): return Flag()\n```"
+
+
+def test_compute_score_takes_options_from_the_environment_and_the_row(reward_executor, monkeypatch, caplog):
+    truth = {"assert_case": ["assert flag()"]}
+    assert rewards.compute_score("mbpp", FLAG, truth)["score"] == 1.0  # default mode: the object's own truth
+    assert rewards.compute_score("mbpp", FLAG, truth, {"grade_options": {"strict": True}})["score"] == 0.0
+    monkeypatch.setenv(rewards.OPTIONS_ENV, '{"strict": true}')
+    assert rewards.compute_score("mbpp", FLAG, truth)["score"] == 0.0
+    assert rewards.compute_score("mbpp", FLAG, truth, {"grade_options": {"strict": False}})["score"] == 1.0
+    assert rewards.compute_score("mbpp", FLAG, truth, {"task_id": 3, "grade_options": {"strickt": 1}}) == NOT_GRADED
+    assert "task 3 not graded: extra_info.grade_options: unknown grade option 'strickt'" in caplog.text
+    monkeypatch.setenv(rewards.OPTIONS_ENV, '{"case_timeout": -1}')
+    assert rewards.compute_score("mbpp", FLAG, truth) == NOT_GRADED
+    assert "IMAGE_BUILDER_GRADE_OPTIONS: grade option 'case_timeout' must be a positive float" in caplog.text
 
 
 def test_compute_score_without_an_executor_says_what_to_set(monkeypatch):
@@ -226,10 +261,11 @@ def test_compute_score_without_an_executor_says_what_to_set(monkeypatch):
     with pytest.raises(ImageBuilderError, match="/stores/a: not a store"):
         rewards.compute_score("mbpp", code, {"assert_case": [RADIX_CASE]})
     # Malformed ground truth needs no executor at all.
-    assert rewards.compute_score("mbpp", code, "{broken") == {"score": 0.0, "all_passed": 0.0}
+    assert rewards.compute_score("mbpp", code, "{broken") == NOT_GRADED
 
 
 def test_result_records_are_plain_data():
     result = GradeResult("1", "assert", TaskStatus.FAILED, reason="case 0: assertion failed")
     assert result.to_dict() == {"task_id": "1", "kind": "assert", "status": "failed", "score": 0.0,
-                                "reason": "case 0: assertion failed", "cases": [], "repo": None, "passed": False}
+                                "reason": "case 0: assertion failed", "cases": [], "repo": None, "compare": "",
+                                "passed": False}

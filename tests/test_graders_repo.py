@@ -61,6 +61,20 @@ def test_gold_patch_resolves(tasks, host, options):
     assert "Applied patch src/marshmallow/fields.py cleanly" in report.apply_log
 
 
+def test_network_is_off_unless_asked_and_the_report_says_which(tasks, host, options):
+    asked = []
+
+    class Recording:
+        def run(self, request):
+            asked.append(request.network)
+            return host.run(request)
+
+    quiet = grade(tasks[ID], tasks[ID].gold_patch, Recording(), options)
+    networked = grade(tasks[ID], tasks[ID].gold_patch, Recording(), replace(options, repo_network=True))
+    assert asked == [False, True]
+    assert (quiet.repo.network, networked.repo.network) == (False, True) and networked.repo.resolved
+
+
 def test_empty_patch_does_not_resolve(tasks, host, options):
     result = grade(tasks[ID], "", host, options)
     assert result.status is TaskStatus.FAILED and result.repo.fail_to_pass == {F2P: "FAILED"}

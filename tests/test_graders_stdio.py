@@ -53,7 +53,7 @@ def test_wrong_answer_and_line_count_are_failures_with_reasons(host):
     wrong = grade(SUMS, "n = int(input())\nfor _ in range(n):\n    print(0)\n", host)
     assert [c.status for c in wrong.cases] == [CaseStatus.FAILED, CaseStatus.PASSED]
     assert wrong.cases[0].reason == "line 1: expected '3', got '0'"
-    assert wrong.score == 0.5 and wrong.reason.startswith("compare=livecodebench; test 0: line 1")
+    assert wrong.score == 0.5 and wrong.compare == "livecodebench" and wrong.reason.startswith("test 0: line 1")
     short = grade(SUMS, "print(3)\n", host)
     assert short.cases[0].reason == "expected 2 lines, got 1"
 
@@ -200,13 +200,15 @@ def test_defaults_by_data_source_and_results_name_the_comparison(host):
          "livecodebench"]
     task = parse_ground_truth("third", {"inputs": ["\n"], "outputs": ["0.3333333333\n"]}, data_source="codecontests")
     third = "print(1 / 3)\n"  # 0.3333333333333333
-    assert grade(task, third, host).reason == "compare=float"
+    assert (grade(task, third, host).compare, grade(task, third, host).reason) == ("float", "")
     verl = replace(task, data_source="")  # verl inputs/outputs: LiveCodeBench's, exact decimals
-    assert grade(verl, third, host).reason.startswith("compare=livecodebench; test 0: line 1: expected")
+    graded = grade(verl, third, host)
+    assert graded.compare == "livecodebench" and graded.reason.startswith("test 0: line 1: expected")
     # The run's option picks for tasks that do not say; a record's own compare wins over it.
     assert grade(verl, third, host, GradeOptions(compare="float")).passed
     own = replace(task, compare="exact")
-    assert grade(own, third, host, GradeOptions(compare="float")).reason.startswith("compare=exact; test 0")
+    graded = grade(own, third, host, GradeOptions(compare="float"))
+    assert graded.compare == "exact" and graded.reason.startswith("test 0")
 
 
 def test_records_ask_for_a_comparison_and_bad_ones_are_bad_tasks():
@@ -229,7 +231,8 @@ def test_records_ask_for_a_comparison_and_bad_ones_are_bad_tasks():
 
 def test_the_run_asking_for_a_checker_the_task_lacks_is_a_bad_task(host):
     result = grade(SUMS, SUMS_BY_INPUT, host, GradeOptions(compare="checker"))
-    assert (result.status, result.reason) == (TaskStatus.BAD_TASK, "compare=checker; the task has no checker")
+    assert (result.status, result.reason, result.compare) == (TaskStatus.BAD_TASK, "the task has no checker",
+                                                              "checker")
 
 
 def test_codecontests_records_are_stdio_tasks_compared_as_floats():
@@ -267,7 +270,7 @@ SPLIT = task_from_record({"task_id": "split", "inputs": ["10\n", "3\n"], "output
 
 def test_a_checker_accepts_any_valid_answer(host):
     result = grade(SPLIT, "n = int(input())\nprint(0, n)\n", host)
-    assert (result.status, result.reason) == (TaskStatus.PASSED, "compare=checker")
+    assert (result.status, result.reason, result.compare) == (TaskStatus.PASSED, "", "checker")
     assert grade(SPLIT, "n = int(input())\nprint(n - 1, 1)\n", host).passed
 
 
@@ -365,7 +368,7 @@ def test_float_mode_matches_the_host_check_of_codecontests(host):
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda t: grade(t, solutions[t.task_id], host, options), tasks))
     assert sum(len(r.cases) for r in results) == 300
-    assert all(r.reason.startswith("compare=float") for r in results)
+    assert all(r.compare == "float" for r in results)
     differ = _disagreements(results, host_check)
     assert {(task, test): ours for task, test, _, ours in differ} == KNOWN_DEVIATIONS, differ
     timeouts = [(r.task_id, c.name) for r in results for c in r.cases if c.status is CaseStatus.TIMEOUT]
@@ -382,7 +385,7 @@ def test_codecontests_in_the_sandbox_match_the_host_check(mbpp_store):
         executor = executors.for_instance("512")
         results = [grade(t, solutions[t.task_id], executor, GradeOptions(stdio_timeout=FIDELITY_TIMEOUT))
                    for t in chosen]
-    assert [r.reason for r in results] == ["compare=float"] * 2  # the codecontests default
+    assert [(r.compare, r.reason) for r in results] == [("float", "")] * 2  # the codecontests default
     assert _disagreements(results, host_check) == []
 
 
@@ -422,7 +425,7 @@ def test_a_checker_accepts_the_valid_schedules_that_exact_comparison_rejects(hos
     tasks, solutions, host_check = _codecontests()
     task = next(t for t in tasks if t.task_id.startswith("1407_e"))
     checked = grade(replace(task, compare="checker", checker=DAGESTAN_CHECKER), solutions[task.task_id], host)
-    assert (checked.status, checked.reason) == (TaskStatus.PASSED, "compare=checker"), checked
+    assert (checked.status, checked.compare) == (TaskStatus.PASSED, "checker"), checked
     assert host_check[task.task_id]["statuses"].count("WA") == 6  # all of them valid answers
     # The checker does reject: the claimed length is wrong, or the schedule does not give it.
     bad = grade(replace(task, compare="checker", checker=DAGESTAN_CHECKER),

@@ -87,7 +87,7 @@ def test_run_cli_behaves_like_a_local_command(mbpp_store, tmp_path):
     assert unknown.returncode == 1 and "no instance 'no-such-task'" in unknown.stderr
 
 
-def test_verl_reward_function_grades_in_the_store(mbpp_store, monkeypatch):
+def test_verl_reward_function_grades_in_the_store(mbpp_store, monkeypatch, caplog):
     monkeypatch.setenv(rewards.STORE_ENV, str(mbpp_store))
     monkeypatch.setattr(rewards, "_store_executors", None)
     rewards.set_executor(None)
@@ -101,10 +101,19 @@ def test_verl_reward_function_grades_in_the_store(mbpp_store, monkeypatch):
                                      row["reward_model"]["ground_truth"], row["extra_info"])
         bad = rewards.compute_score(row["data_source"], "```python\ndef f(): pass\n```",
                                     row["reward_model"]["ground_truth"], row["extra_info"])
+        # A row whose task has no instance: a logged zero that says it was not graded, not an exception.
+        monkeypatch.delenv(rewards.INSTANCE_ENV, raising=False)
+        orphan = rewards.compute_score(row["data_source"], f"```python\n{solution}\n```",
+                                       row["reward_model"]["ground_truth"], {"task_id": "no-such-task"})
+        monkeypatch.setenv(rewards.INSTANCE_ENV, "512")
+        adopted = rewards.compute_score(row["data_source"], f"```python\n{solution}\n```",
+                                        row["reward_model"]["ground_truth"], {"task_id": "no-such-task"})
     finally:
         rewards._store_executors.close()
-    assert good == {"score": 1.0, "all_passed": 1.0}
-    assert bad["score"] == 0.0
+    assert good == adopted == {"score": 1.0, "all_passed": 1.0, "graded": 1.0}
+    assert bad == {"score": 0.0, "all_passed": 0.0, "graded": 1.0}
+    assert orphan == {"score": 0.0, "all_passed": 0.0, "graded": 0.0}
+    assert f"task no-such-task not graded: no instance in {mbpp_store}" in caplog.text
 
 
 SWE = [json.loads(line) for line in (DATA / "swebench_marshmallow.jsonl").read_text().splitlines()]
@@ -141,6 +150,31 @@ def test_swebench_in_the_sandbox(marshmallow_store, tmp_path, access):
     grade(marshmallow_store, DATA / "swebench_marshmallow.jsonl", swe_predictions(tmp_path, "empty", lambda _: ""),
           empty, "--test-access", access)
     assert not any(x["status"] == "passed" for x in results(empty).values())
+    if access == "hidden":
+        check_artifacts_and_regrade(out, tmp_path)
+
+
+def check_artifacts_and_regrade(out: Path, tmp_path: Path) -> None:
+    """Each run's files are kept as SWE-bench's harness keeps them, and `regrade` judges from them alone."""
+    kept = out.with_name("gold-results.artifacts") / "marshmallow-code__marshmallow-1359"
+    assert {p.name for p in kept.iterdir()} == {"eval.sh", "model.patch", "test_output.txt", "junit.xml",
+                                                "run.json", "report.json"}
+    gold = next(r for r in SWE if r["instance_id"] == "marshmallow-code__marshmallow-1359")
+    assert (kept / "model.patch").read_text() == gold["patch"] and "passed" in (kept / "test_output.txt").read_text()
+    assert json.loads((kept / "report.json").read_text()) == results(out)[gold["instance_id"]]
+
+    same = tmp_path / "same.jsonl"
+    r = run_cli("regrade", str(out), "--tasks", str(DATA / "swebench_marshmallow.jsonl"), "-o", str(same))
+    assert r.returncode == 0 and r.stdout.startswith("0 results changed"), r.stdout + r.stderr
+    assert results(same) == results(out)
+    # A fixed test list (here: a FAIL_TO_PASS test the run never had) changes the verdict without a run.
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({**rec, "FAIL_TO_PASS": json.dumps(["tests/test_x.py::test_gone"])}
+                                        if rec["instance_id"] == gold["instance_id"] else rec) + "\n" for rec in SWE))
+    r = run_cli("regrade", str(out), "--tasks", str(tasks))
+    assert r.returncode == 0 and r.stdout.startswith(f"1 results changed (first: '{gold['instance_id']}')"), r.stdout
+    again = results(out)[gold["instance_id"]]
+    assert again["status"] == "failed" and again["repo"]["fail_to_pass"] == {"tests/test_x.py::test_gone": "MISSING"}
 
 
 def overlay_store(mbpp_store: Path, root: Path, n: int) -> Path:
@@ -297,3 +331,11 @@ def test_a_task_without_an_instance_is_one_error_not_an_aborted_run(mbpp_store, 
     assert got["not-in-the-store"]["status"] == "error" and "no instance 'not-in-the-store'" in \
         got["not-in-the-store"]["reason"]
     assert "  error          1  (first: 'not-in-the-store')" in r.stdout, "the summary names it"
+    # --instance grades it in the named instance instead; an unknown one is refused before anything runs.
+    adopted = tmp_path / "adopted.jsonl"
+    r = grade(mbpp_store, tasks, predictions, adopted, "--instance", "512")
+    assert r.returncode == 0, r.stderr
+    assert {t: x["status"] for t, x in results(adopted).items()} == {"512": "passed", "not-in-the-store": "passed"}
+    r = grade(mbpp_store, tasks, predictions, tmp_path / "never.jsonl", "--instance", "nope")
+    assert r.returncode != 0 and "nope" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "never.jsonl").exists()

@@ -260,7 +260,8 @@ def test_grade_shards_split_by_instance_and_merge_refuses_gaps(tmp_path):
 
 def test_slurm_grade_equals_local_grade(tmp_path, mbpp_store, slurm_cluster):
     preds = mixed_predictions(tmp_path / "preds.jsonl")
-    common = ["--store", str(mbpp_store), "--tasks", str(MBPP_TASKS), "--predictions", str(preds)]
+    common = ["--store", str(mbpp_store), "--tasks", str(MBPP_TASKS), "--predictions", str(preds),
+              "--compare", "float", "--instance", "512"]
     local = run_cli("grade", *common, "-o", str(tmp_path / "local/results.jsonl"), "-j", "2")
     assert local.returncode == 0, local.stderr
 
@@ -279,6 +280,7 @@ def test_slurm_grade_equals_local_grade(tmp_path, mbpp_store, slurm_cluster):
     run = Run.open(next((tmp_path / "arr/slurm").iterdir()))
     sub = run.submissions()[-1]
     assert run.kind == "grade" and set(sub.jobs) == {"shard", "merge"}
+    assert "--compare float --instance 512" in (run.directory / "job.sh").read_text(), "passed on to every shard"
     shard_ids = [{json.loads(line)["task_id"] for line in (run.directory / f"results/shard-{k}-of-4.jsonl")
                   .read_text().splitlines()} for k in range(4)]
     assert sum(map(len, shard_ids)) == 40 and all(shard_ids), "every shard graded a part"

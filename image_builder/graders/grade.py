@@ -37,8 +37,12 @@ def grade_prediction(prediction: Prediction, tasks: dict[str, Task], executor_fo
                      options: GradeOptions = GradeOptions()) -> GradeResult:
     task = tasks.get(prediction.task_id)
     if task is None:
+        variants = sorted(t.task_id for t in tasks.values() if getattr(t, "original_id", None) == prediction.task_id
+                          and t.task_id != prediction.task_id)
+        hint = f"; the tasks hold its variants {', '.join(map(repr, variants[:4]))}: key predictions by those" \
+            if variants else ""
         return GradeResult(prediction.task_id, "", TaskStatus.UNKNOWN_TASK,
-                           reason=f"no task with id {prediction.task_id!r}")
+                           reason=f"no task with id {prediction.task_id!r}{hint}")
     if prediction.solution is None:
         return GradeResult(prediction.task_id, "", TaskStatus.NO_SOLUTION, reason=prediction.reason)
     try:

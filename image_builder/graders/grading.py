@@ -25,8 +25,9 @@ from image_builder.runtime.backends import open_session
 from image_builder.runtime.execution import Executor, RunRequest, RunResult
 from image_builder.runtime.session import Backend, InstanceLayers, Session
 from image_builder.store.files import atomic_write
-from image_builder.store.store import Store
-from image_builder.tasks import Task
+from image_builder.store.store import Store, UnknownInstance
+from image_builder.store.ids import file_name
+from image_builder.tasks import RepoTask, Task
 from .grade import grade_prediction
 from .options import GradeOptions
 from .predictions import Prediction
@@ -49,15 +50,27 @@ class StoreExecutors:
     that add nothing to their environment share one), shared by threads, at most
     `max_sessions` open; the least recently used idle one is closed to make room."""
 
-    def __init__(self, store: Store, *, backend: Backend | None = None, max_sessions: int = DEFAULT_MAX_SESSIONS):
+    def __init__(self, store: Store, *, backend: Backend | None = None, max_sessions: int = DEFAULT_MAX_SESSIONS,
+                 fallback: str | None = None):
+        """`fallback`: the instance for tasks the store has none for (grade --instance)."""
         self.store, self.backend, self.max_sessions = store, backend, max(1, max_sessions)
+        self.fallback = fallback
         self._sessions: OrderedDict[tuple, Session] = OrderedDict()  # by layers, least recently used first
         self._busy: Counter[tuple] = Counter()
         self._lock = threading.Lock()
         self.peak_sessions = 0
 
     def __call__(self, task: Task) -> Executor:
-        return self.for_instance(instance_of(task))
+        return self.executor_for(task, self.fallback)
+
+    def executor_for(self, task: Task, fallback: str | None = None) -> Executor:
+        """The task's own instance, else `fallback`'s; UnknownInstance when neither is in the store."""
+        try:
+            return self.for_instance(instance_of(task))
+        except UnknownInstance:
+            if fallback is None:
+                raise
+            return self.for_instance(fallback)
 
     def for_instance(self, instance_id: str) -> Executor:
         """An executor for the instance (UnknownInstance now if the store has none); its
@@ -146,11 +159,65 @@ def grade_to_file(tasks: Iterable[Task], predictions: list[Prediction], executor
         def one(prediction: Prediction) -> None:
             result = grade_prediction(prediction, by_id, executor_for, options)
             with lock:
+                if result.artifacts:
+                    write_artifacts(output, result)  # before the result line: a listed result has its files
                 out.write(json.dumps(result.to_dict()) + "\n")
                 out.flush()
                 on_result(result)
         list(pool.map(one, todo))
     return len(todo)
+
+
+def artifacts_dir(output: Path, task_id: str) -> Path:
+    """Where a result's run files go, as SWE-bench's harness keeps them per instance:
+    results.jsonl -> results.artifacts/<task id>/."""
+    return output.with_name(f"{output.stem}.artifacts") / file_name(task_id)
+
+
+def write_artifacts(output: Path, result: GradeResult) -> None:
+    """The result's files, published whole: written into a temporary directory, then renamed into place."""
+    import shutil
+    import tempfile
+
+    final = artifacts_dir(output, result.task_id)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name[:40]}.", dir=final.parent))
+    for name, text in (result.artifacts or {}).items():
+        (tmp / name).write_text(text, errors="surrogateescape")
+    (tmp / "report.json").write_text(json.dumps(result.to_dict(), indent=1) + "\n")
+    old = final.with_name(f".{final.name[:40]}.old-{tmp.name.rsplit('.', 1)[-1]}")
+    if final.exists():
+        final.rename(old)  # a regraded or resumed task: its earlier files go only once the new ones are whole
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def regrade(results: Path, tasks: Iterable[Task], output: Path) -> tuple[Summary, list[str]]:
+    """Judge every repo result of `results` again from its kept files (no run): the log and junit parsed
+    with today's parsers against the tasks' test lists. Writes `output` (whole, then renamed) and its
+    summary; returns them with the ids whose status or score changed. Other results are copied as they are."""
+    from .swebench import RunFacts, judge_facts
+
+    by_id = {t.task_id: t for t in tasks}
+    old = read_results(results)
+    new, changed = [], []
+    for result in old:
+        facts_file = artifacts_dir(results, result.task_id) / "run.json"
+        task = by_id.get(result.task_id)
+        if result.kind != "repo" or not facts_file.exists() or not isinstance(task, RepoTask):
+            new.append(result)
+            continue
+        try:
+            facts = RunFacts.from_json(facts_file.read_text())
+        except (ValueError, TypeError) as exc:
+            raise ImageBuilderError(f"{facts_file}: not a run record ({exc}); grade the task again") from None
+        again = judge_facts(task, facts)
+        if (again.status, again.score) != (result.status, result.score):
+            changed.append(result.task_id)
+        new.append(again)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(output, lambda f: f.writelines(json.dumps(r.to_dict()).encode() + b"\n" for r in new))
+    return write_summary(new, output), changed
 
 
 def _drop_partial_line(output: Path) -> None:

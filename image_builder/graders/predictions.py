@@ -4,7 +4,9 @@ Records: {"task_id" | "instance_id", "solution" | "model_patch" | "response"}.
 `model_patch` is a diff, used as is (SWE-bench). `response` is a raw model
 answer: the MBPP prompt asks for "a single ```python code block", so the code
 is the last ```python block (the answer after any drafts); a response without
-one has no solution. A `solution` holding fences is treated as a response.
+fences is the code when it compiles as Python as a whole (LiveCodeBench-style
+prompts ask for the bare program), else it has no solution. A `solution`
+holding fences is treated as a response.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from image_builder.tasks import Unreadable, read_records
 
 _FENCE = re.compile(r"^[ \t]*```[ \t]*([\w+-]*)[^\n]*\n(.*?)^[ \t]*```", re.DOTALL | re.MULTILINE)
 _PYTHON_TAGS = {"python", "py", "python3"}
+NO_CODE = "no ```python block in the response, and it is not a Python program as a whole"
 
 
 @dataclass(frozen=True)
@@ -27,12 +30,21 @@ class Prediction:
 
 
 def extract_code(response: str) -> str | None:
-    """The last ```python block; failing that the last untagged block; else None."""
+    """The last ```python block; failing that the last untagged block; a response without any
+    fence, when it compiles as Python as a whole (a bare program; prose does not compile); else None."""
     blocks = [(m.group(1).lower(), m.group(2)) for m in _FENCE.finditer(response)]
     python = [code for tag, code in blocks if tag in _PYTHON_TAGS]
     untagged = [code for tag, code in blocks if not tag]
     chosen = python or untagged
-    return chosen[-1] if chosen else None
+    if chosen:
+        return chosen[-1]
+    if "```" in response or not response.strip():
+        return None
+    try:
+        compile(response, "<response>", "exec", dont_inherit=True)  # compiled only: nothing runs here
+    except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError):
+        return None
+    return response
 
 
 def prediction_from_record(record: object, fallback_id: str) -> Prediction:
@@ -48,7 +60,7 @@ def prediction_from_record(record: object, fallback_id: str) -> Prediction:
         return Prediction(task_id, None, "no solution, model_patch or response string")
     if "response" in record and "solution" not in record or "```" in text:
         code = extract_code(text)
-        return Prediction(task_id, code, "" if code is not None else "no ```python block in the response")
+        return Prediction(task_id, code, "" if code is not None else NO_CODE)
     return Prediction(task_id, text)
 
 

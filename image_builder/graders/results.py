@@ -62,6 +62,7 @@ class RepoReport:
     test_infrastructure_modified: list[str] = field(default_factory=list)
     apply_log: str = ""
     log: str = ""  # the test command's output, between the run's markers
+    network: bool = False  # the tests ran with the network (grade --net)
 
 
 @dataclass
@@ -73,20 +74,26 @@ class GradeResult:
     reason: str = ""
     cases: list[CaseResult] = field(default_factory=list)
     repo: RepoReport | None = None
+    compare: str = ""  # stdin/stdout tasks: how the output was compared (stdio.py's modes)
+    # Repo tasks: the run's files (eval.sh, model.patch, test_output.txt, junit.xml, run.json), kept beside
+    # the results file (grading.write_artifacts) and read by `regrade`; not part of the record.
+    artifacts: dict[str, str] | None = field(default=None, compare=False, repr=False)
 
     @property
     def passed(self) -> bool:
         return self.status is TaskStatus.PASSED
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "passed": self.passed}
+        record = asdict(self)
+        del record["artifacts"]
+        return {**record, "passed": self.passed}
 
     @classmethod
     def from_dict(cls, d: dict) -> GradeResult:
         """A result read back from a results file (to resume or summarise a run)."""
         return cls(d["task_id"], d["kind"], TaskStatus(d["status"]), d.get("score", 0.0), d.get("reason", ""),
                    [CaseResult(**{**c, "status": CaseStatus(c["status"])}) for c in d.get("cases", [])],
-                   RepoReport(**d["repo"]) if d.get("repo") else None)
+                   RepoReport(**d["repo"]) if d.get("repo") else None, d.get("compare", ""))
 
 
 def from_cases(task_id: str, kind: str, cases: list[CaseResult], label: str) -> GradeResult:

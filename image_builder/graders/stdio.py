@@ -18,7 +18,7 @@ Standard input is a regular file, as judges give it (some real solutions read
 
 The mode is the task's (`compare`, or `checker` when it has a checker), else the run's
 (`GradeOptions.compare`, `grade --compare`), else the data source's default
-(`default_compare`). The result's reason starts with `compare=<mode>`.
+(`default_compare`). The result's `compare` says which.
 
 Call-based tests come in two layouts: LiveCodeBench's (each input a string of
 JSON lines, one per argument; each output a JSON string) and APPS/verl's (each
@@ -74,13 +74,13 @@ def grade_stdio(task: StdioTask, solution: str, executor: Executor, options: Gra
         return from_cases(task.task_id, "stdio", cases, "test")
     mode = compare_mode(task, options)
     if mode == "checker" and not task.checker:
-        return GradeResult(task.task_id, "stdio", TaskStatus.BAD_TASK,
-                           reason="compare=checker; the task has no checker")
+        return GradeResult(task.task_id, "stdio", TaskStatus.BAD_TASK, reason="the task has no checker",
+                           compare=mode)
     judge = _Judge(mode, task.tolerance if task.tolerance is not None else DEFAULT_TOLERANCE, task.checker)
     cases = [_run_stdin(str(i), solution, given, expected, executor, options, judge)
              for i, (given, expected) in enumerate(zip(task.inputs, task.outputs))]
     result = from_cases(task.task_id, "stdio", cases, "test")
-    return replace(result, reason=f"compare={mode}; {result.reason}" if result.reason else f"compare={mode}")
+    return replace(result, compare=mode)
 
 
 def compare_output(mode: str, output: str, expected: str, tolerance: float = DEFAULT_TOLERANCE) -> str | None:

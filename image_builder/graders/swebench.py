@@ -45,7 +45,7 @@ import binascii
 import json
 import secrets
 import shlex
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from image_builder.runtime.execution import Executor, RunRequest, RunResult
 
@@ -287,9 +287,55 @@ def grade_repo(task: RepoTask, patch: str, executor: Executor, options: GradeOpt
     result = executor.run(RunRequest(argv=("bash", f"{GRADER_DIR}/eval.sh"),
                                      files={k: v.encode() for k, v in files.items()}, env=dict(options.env),
                                      timeout=options.repo_timeout, memory_mb=options.repo_memory_mb,
-                                     max_output=options.repo_max_output))
-    return judge(task, read_run(result, nonce), options.access, reverted, test_cmd, pytest,
-                 infra=[p for _, p in infra])
+                                     max_output=options.repo_max_output, network=options.repo_network))
+    run = read_run(result, nonce)
+    facts = RunFacts(options.access.value, reverted, test_cmd, pytest, [p for _, p in infra], options.repo_network,
+                     run.notes, run.apply_log, run.test_log, run.finished, result.timed_out)
+    graded = judge_facts(task, facts)
+    graded.artifacts = facts.artifacts(script, patch)
+    return graded
+
+
+@dataclass
+class RunFacts:
+    """What judging a repo-test run needs, all of it kept (run.json) so `regrade` can judge again."""
+    access: str
+    reverted: list[str]
+    test_cmd: str
+    pytest: bool
+    infra: list[str]
+    network: bool
+    notes: dict[str, str]
+    apply_log: str
+    test_log: str | None
+    finished: bool
+    timed_out: bool
+
+    def artifacts(self, script: str, patch: str) -> dict[str, str]:
+        """SWE-bench's per-instance files (eval.sh, patch, test output) and the facts themselves."""
+        junit = self.notes.get("junit", "none")
+        files = {"eval.sh": script, "model.patch": patch, "test_output.txt": self.test_log or "",
+                 "run.json": json.dumps(asdict(self), indent=1)}
+        if junit != "none":
+            try:
+                files["junit.xml"] = base64.b64decode(junit, validate=True).decode("utf-8", "replace")
+            except (ValueError, binascii.Error):
+                pass
+        return files
+
+    @classmethod
+    def from_json(cls, text: str) -> RunFacts:
+        return cls(**json.loads(text))
+
+
+def judge_facts(task: RepoTask, facts: RunFacts) -> GradeResult:
+    result = RunResult(None, None, facts.timed_out, False, 0.0, None, b"", b"")
+    run = Run(result, facts.notes, facts.apply_log, facts.test_log, facts.finished)
+    graded = judge(task, run, TestAccess(facts.access), facts.reverted, facts.test_cmd, facts.pytest,
+                   infra=facts.infra)
+    if graded.repo is not None:
+        graded.repo.network = facts.network
+    return graded
 
 
 def resolve_test_command(task: RepoTask, executor: Executor) -> str:
