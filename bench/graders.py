@@ -125,9 +125,15 @@ def holder_load(executors: StoreExecutors) -> tuple[int, int, int]:
         children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     except (OSError, TypeError):
         return 0, 0, 0
-    inits = sum(1 for c in children if Path(f"/proc/{c}/comm").exists()
-                and Path(f"/proc/{c}/comm").read_text().startswith("image-builder-i"))
+    inits = sum(1 for c in children if _comm(c).startswith("image-builder-i"))
     return len(mountinfo), sum(" /dev/loop" in line for line in mountinfo), inits
+
+
+def _comm(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text()
+    except OSError:  # gone since the listing
+        return ""
 
 
 def scale_row(mbpp: Store, work: Path) -> tuple[Row, str]:

@@ -231,11 +231,11 @@ def proxy(registries):
 
 
 def run_cli(*args: str, env: dict | None = None, user: int | None = None, check: bool = False,
-            input: str | None = None) -> subprocess.CompletedProcess:
+            input: str | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """The installed console script, as a real process (optionally as another uid)."""
     exe = Path(os.environ.get("VIRTUAL_ENV", Path(__file__).resolve().parents[1] / ".venv")) / "bin" / "image-builder"
     cmd = [str(exe), *args]
     if user is not None:
         cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
     return subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})},
-                          check=check, input=input)
+                          check=check, input=input, cwd=cwd)

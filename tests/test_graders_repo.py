@@ -8,7 +8,6 @@ this file's own, and the cached venv lives under the caller's home.
 from __future__ import annotations
 
 import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from image_builder.graders import (GradeOptions, TaskStatus, TestAccess, candida
                                    quality_check_all, write_qc)
 from tests.support.grader_data import SWEBENCH, diff_after, marshmallow_checkout, marshmallow_venv
 from tests.support.host_executor import HostExecutor
+from tests.support.infra_attacks import ATTACKS, PY, write_file
 
 ID = "marshmallow-code__marshmallow-1359"
 F2P = "tests/test_fields.py::TestParentAndName::test_datetime_list_inner_format"
@@ -199,52 +199,6 @@ def test_hidden_tests_tell_the_candidate_only_pass_or_fail(tasks, host, options)
 
 # --- test infrastructure: what pytest and Python read before collecting -----------------------------------
 
-PLUGIN = ("import pytest\n\n\n@pytest.hookimpl(hookwrapper=True)\n"
-          "def pytest_runtest_makereport(item, call):\n"
-          "    outcome = yield\n"
-          "    report = outcome.get_result()\n"
-          "    if report.failed:\n"
-          "        report.outcome = 'passed'\n")
-PY = f"python{sys.version_info[0]}.{sys.version_info[1]}"
-
-
-def _write(repo: Path, path: str, text: str, append: bool = False) -> None:
-    target = repo / path
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text((target.read_text() if append and target.exists() else "") + text)
-
-
-def _plugin(repo: Path) -> None:
-    _write(repo, "src/marshmallow/_plugin.py", PLUGIN)
-
-
-def _setup_cfg(repo: Path) -> None:
-    _plugin(repo)
-    cfg = repo / "setup.cfg"
-    cfg.write_text(cfg.read_text().replace("addopts = -v --tb=short", "addopts = -v --tb=short -p marshmallow._plugin"))
-
-
-# Each attack: the gold fix plus a change that makes pytest report failures as passes, and the paths
-# (as dropped_changes names them) that carry it.
-ATTACKS = {
-    "conftest": (lambda repo: _write(repo, "tests/conftest.py", "\n" + PLUGIN, append=True), ["tests/conftest.py"]),
-    "setup.cfg addopts": (_setup_cfg, ["setup.cfg [tool:pytest]"]),
-    "pytest.ini": (lambda repo: (_plugin(repo), _write(repo, "pytest.ini", "[pytest]\naddopts = -p marshmallow._plugin\n")),
-                   ["pytest.ini"]),
-    "sitecustomize": (lambda repo: (_plugin(repo), _write(repo, "src/sitecustomize.py",
-                                                          "import os\nos.environ['PYTEST_PLUGINS'] = 'marshmallow._plugin'\n")),
-                      ["src/sitecustomize.py"]),
-    "pth": (lambda repo: (_plugin(repo), _write(repo, f".venv/lib/{PY}/site-packages/zz_cheat.pth",
-                                                "import os; os.environ['PYTEST_PLUGINS'] = 'marshmallow._plugin'\n")),
-            [f".venv/lib/{PY}/site-packages/zz_cheat.pth"]),
-    "entry_points": (lambda repo: (_plugin(repo), _write(repo, "src/cheat.egg-info/entry_points.txt",
-                                                         "[pytest11]\ncheat = marshmallow._plugin\n"),
-                                   _write(repo, "src/cheat.egg-info/PKG-INFO", "Metadata-Version: 2.1\nName: cheat\n"
-                                                                              "Version: 1.0\n")),
-                     ["src/cheat.egg-info/entry_points.txt"]),
-}
-
-
 @pytest.fixture(scope="module")
 def venv_host(tasks, tmp_path_factory):
     """The instance with its environment inside the workdir (/testbed/.venv), as some images have it: a venv
@@ -299,7 +253,7 @@ def reshaped(tasks, tmp_path_factory):
         apply(repo, task.test_patch)
         subprocess.run(["git", "-C", str(repo), "mv", "tests/test_validate.py", "tests/test_validate_moved.py"],
                        check=True)
-        _write(repo, "tests/static/config.toml", "[settings]\nx = 1\n")
+        write_file(repo, "tests/static/config.toml", "[settings]\nx = 1\n")
     test_patch = diff_after(repo, [], edit)
     assert "rename to tests/test_validate_moved.py" in test_patch and "tests/static/config.toml" in test_patch
     moved = "tests/test_validate_moved.py::test_length_min"
@@ -337,7 +291,7 @@ def test_a_skipped_fail_to_pass_test_reads_as_swebench_reads_it(tasks, host, opt
     task = tasks[ID]
     repo = marshmallow_checkout(tmp_path, task.base_commit)
     skip = "tests/test_skip.py::test_not_run"
-    test_patch = diff_after(repo, [], lambda r: _write(r, "tests/test_skip.py",
+    test_patch = diff_after(repo, [], lambda r: write_file(r, "tests/test_skip.py",
                                                        "import pytest\n\n\n@pytest.mark.skip\ndef test_not_run():\n"
                                                        "    pass\n"))
     result = grade(replace(task, test_patch=test_patch, fail_to_pass=(skip,), pass_to_pass=()), "", host, options)

@@ -9,6 +9,7 @@ import pytest
 
 from image_builder.graders import rewards
 from tests.conftest import ROOT, run_cli
+from tests.support.infra_attacks import ATTACKS
 
 DATA = ROOT / "index/data"
 
@@ -46,6 +47,13 @@ def test_wrong_solutions_score_zero_and_resume(mbpp_store, tmp_path):
     assert "resuming: 10 of 40 results" in again.stderr
     got = results(out)
     assert len(got) == 40 and all(x["score"] == 0.0 for x in got.values())
+    # Other predictions into the same file are refused, not silently given these results.
+    before = out.read_text()
+    other = grade(mbpp_store, DATA / "mbpp_train_40.parquet", DATA / "mbpp_train_40_solutions.jsonl", out)
+    assert other.returncode != 0 and "Traceback" not in other.stderr
+    assert other.stderr.strip().splitlines()[-1].startswith(f"Error: {out} holds a result for ") and \
+        "graded from another solution" in other.stderr
+    assert out.read_text() == before
 
 
 def test_impossible_variants_fail_and_qc_keeps_them(mbpp_store, tmp_path):
@@ -280,40 +288,37 @@ def test_a_corrupt_image_is_an_infrastructure_error(mbpp_store, tmp_path):
     assert result.status.value == "error" and "is corrupt" in result.reason, result
 
 
-@pytest.mark.parametrize("access", ["hidden", "read-only"])
-def test_a_setup_cfg_plugin_in_addopts_is_dropped_in_the_sandbox(marshmallow_store, tmp_path, access):
-    """The gold fix of 1359 plus `-p marshmallow._plugin` in setup.cfg's [tool:pytest] addopts (a plugin that
-    reports failures as passes) and a change to its [metadata]: the conflicting variant stays unresolved, only
-    the pytest section is dropped, and open mode flags it."""
+# Two attacks have nothing to act on in the store's marshmallow environment (the host tests cover them):
+# .pth needs a venv inside the workdir, and the venv here is outside the repository, where a patch cannot
+# write; a sitecustomize.py in src/ needs src/ on sys.path at start-up, which its editable install does not do.
+@pytest.mark.parametrize("attack", [a for a in ATTACKS if a not in ("pth", "sitecustomize")])
+def test_test_infrastructure_attacks_are_dropped_in_the_sandbox(marshmallow_store, tmp_path, attack):
+    """The gold fix of 1359 plus a change that makes pytest report failures as passes: the conflicting
+    variant is resolved only in open mode (which flags it), never in read-only or hidden mode."""
+    from image_builder.graders import GradeOptions, TaskStatus, TestAccess, grade as grade_one, load_tasks
+    from image_builder.graders.grading import StoreExecutors
+    from image_builder.store.store import Store
     from tests.support.grader_data import diff_after, marshmallow_checkout
-    rec = next(r for r in SWE if r["instance_id"] == "marshmallow-code__marshmallow-1359__conflicting")
-    gold = next(r["patch"] for r in SWE if r["instance_id"] == original_id(rec))
-    plugin = ("import pytest\n\n\n@pytest.hookimpl(hookwrapper=True)\ndef pytest_runtest_makereport(item, call):\n"
-              "    outcome = yield\n    report = outcome.get_result()\n    if report.failed:\n"
-              "        report.outcome = 'passed'\n")
+
+    tasks = {t.task_id: t for t in load_tasks(DATA / "swebench_marshmallow.jsonl")}
+    original = "marshmallow-code__marshmallow-1359"
+    task, gold = tasks[f"{original}__conflicting"], tasks[original].gold_patch
+    edit, dropped = ATTACKS[attack]
 
     def cheat(repo: Path) -> None:
         import subprocess
         subprocess.run(["git", "-C", str(repo), "apply", "-"], input=gold.encode(), check=True)
-        (repo / "src/marshmallow/_plugin.py").write_text(plugin)
-        cfg = repo / "setup.cfg"
-        cfg.write_text(cfg.read_text().replace("addopts = -v --tb=short", "addopts = -v --tb=short -p marshmallow._plugin")
-                       .replace("license_files = LICENSE", "license_files = LICENSE\nproject_urls = x"))
-    patch = diff_after(marshmallow_checkout(tmp_path / "ws", rec["base_commit"]), [rec["test_patch"]], cheat)
-    tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text(json.dumps(rec) + "\n")
-    preds = tmp_path / "preds.jsonl"
-    preds.write_text(json.dumps({"instance_id": rec["instance_id"], "model_patch": patch}) + "\n")
-    for mode in (access, "open"):
-        out = tmp_path / f"{mode}.jsonl"
-        r = grade(marshmallow_store, tasks, preds, out, "--test-access", mode)
-        assert r.returncode == 0, r.stderr
-        res = results(out)[rec["instance_id"]]
-        if mode == "open":
-            assert res["status"] == "passed" and res["repo"]["test_infrastructure_modified"] == [
-                "setup.cfg [tool:pytest]"]
-        else:
-            assert res["status"] == "failed" and res["repo"]["dropped_changes"] == ["setup.cfg [tool:pytest]"], res
+        edit(repo)
+        subprocess.run(["git", "-C", str(repo), "add", "-A", "-f"], check=True)
+    patch = diff_after(marshmallow_checkout(tmp_path / "ws", task.base_commit), [task.test_patch], cheat)
+    with StoreExecutors(Store.open(marshmallow_store)) as executors:
+        graded = {access: grade_one(task, patch, executors(task), GradeOptions(access=access))
+                  for access in TestAccess}
+    opened = graded[TestAccess.OPEN]
+    assert opened.status is TaskStatus.PASSED and opened.repo.test_infrastructure_modified == dropped, opened.reason
+    for access in (TestAccess.READ_ONLY, TestAccess.HIDDEN):
+        assert graded[access].status is TaskStatus.FAILED, (access, graded[access].reason)
+        assert graded[access].repo.dropped_changes == dropped and not graded[access].repo.test_infrastructure_modified
 
 
 def test_a_task_without_an_instance_is_one_error_not_an_aborted_run(mbpp_store, tmp_path):

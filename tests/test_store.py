@@ -219,3 +219,37 @@ def test_shards_merge_into_the_same_index(tmp_path, tiny_base, registries):
     assert ls.returncode == 0 and "tiny" in ls.stdout and " 5 " in ls.stdout
     insp = run_cli("inspect", "task-3", "--store", str(tmp_path / "store"))
     assert "apptainer exec --overlay" in insp.stdout and "task-3.sqfs:ro" in insp.stdout
+
+
+def test_two_catalogs_share_a_store_built_from_a_relative_path(tmp_path, tiny_base, registries):
+    """A second catalog adds to the store instead of dropping the first's items; a rebuild of either keeps
+    the other's; one that declares a name the other owns is refused in one line. `--store store`, relative
+    to the working directory, builds (it used to fail every environment at chroot)."""
+    def named(directory: str, name: str, env: str, prefix: str) -> Path:
+        (tmp_path / directory).mkdir()
+        insts = [{"id": f"{prefix}-{i}", "environment": env, "script": "inst.sh", "env": {"TASK": str(i)}}
+                 for i in range(2)]
+        path = write_catalog(tmp_path / directory, [{"name": env, "base": tiny_base, "scripts": ["env.sh"]}],
+                             {"env.sh": ENV_SCRIPT, "inst.sh": INSTANCE_SCRIPT}, insts)
+        return path.rename(path.with_name(name))
+
+    def build(cat: Path):
+        return run_cli("build", str(cat), "--store", "store", "--cache-dir", "cache", "--ca-cert",
+                       str(registries.tls.cert), cwd=tmp_path)
+
+    first, second = named("a", "first.yaml", "tiny", "a"), named("b", "second.yaml", "tiny2", "b")
+    for cat in (first, second, first):
+        r = build(cat)
+        assert r.returncode == 0, r.stderr
+    index = read_index(tmp_path / "store")
+    assert sorted(index.environments) == ["tiny", "tiny2"] and sorted(index.instances) == ["a-0", "a-1", "b-0", "b-1"]
+    assert {i: r.catalog for i, r in index.instances.items()} == {"a-0": "first.yaml", "a-1": "first.yaml",
+                                                                  "b-0": "second.yaml", "b-1": "second.yaml"}
+    jsonschema.validate(json.loads((tmp_path / "store/index.json").read_text()), SCHEMA)
+    clash = named("c", "third.yaml", "tiny", "c")
+    r = build(clash)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"Error: {tmp_path / 'c/third.yaml'}: environment 'tiny' is already in {tmp_path / 'store'} from catalog "
+        "first.yaml; rename it in one of them or build into another store"), r.stderr
+    assert read_index(tmp_path / "store") == index, "nothing already built is lost"

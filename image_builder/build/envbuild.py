@@ -52,6 +52,11 @@ class BuildOptions:
     verbose: bool = False  # echo script output live
     force: bool = False  # rebuild even if the key is unchanged
 
+    def __post_init__(self):
+        # Absolute: the build sandbox's working directory is not ours (a relative store made every
+        # environment build fail with "chroot: cannot change root directory to 'store/work/...'").
+        object.__setattr__(self, "store", Path(self.store).absolute())
+
 
 @dataclass(frozen=True)
 class EnvBuild:

@@ -29,6 +29,7 @@ from typing import Protocol
 from image_builder.errors import ImageBuilderError
 from image_builder.oci.cache import sha256_file
 from image_builder.store.files import atomic_write
+from image_builder.store.ids import shown_id
 from image_builder.store.index import (EnvRecord, Index, IndexError_, InstanceRecord, load_json, parse_index,
                                        read_index, write_index)
 from image_builder.store.store import StorePaths, remove_dead_work
@@ -128,7 +129,7 @@ def drop_if_corrupt(sif: Path) -> None:
         sif.unlink()
 
 
-def _env_record(paths: StorePaths, build: EnvBuild) -> EnvRecord:
+def _env_record(paths: StorePaths, build: EnvBuild, catalog: str) -> EnvRecord:
     """The index record, hashing the .sif only when it changed since the last record."""
     sidecar = build.sif.with_suffix(".json")
     st = build.sif.stat()
@@ -144,12 +145,13 @@ def _env_record(paths: StorePaths, build: EnvBuild) -> EnvRecord:
                "built_at": built_at}
         atomic_write(sidecar, lambda f: f.write(json.dumps(doc).encode()))
     return EnvRecord(build.name, paths.relative(build.sif), digest, st.st_size, build.base, build.base_digest,
-                     build.build_key, built_at, build.env)
+                     build.build_key, built_at, build.env, catalog)
 
 
-def _instance_record(paths: StorePaths, spec: InstanceSpec, build: InstanceBuild) -> InstanceRecord:
+def _instance_record(paths: StorePaths, spec: InstanceSpec, build: InstanceBuild, catalog: str) -> InstanceRecord:
     return InstanceRecord(spec.id, spec.environment, paths.relative(build.sqfs) if build.sqfs else None,
-                          build.sha256, build.size, build.build_key, spec.workdir, spec.test_command, spec.grader)
+                          build.sha256, build.size, build.build_key, spec.workdir, spec.test_command, spec.grader,
+                          catalog)
 
 
 def _failure(kind: str, name: str, t0: float, e: Exception) -> ItemResult:
@@ -166,6 +168,7 @@ def build_store(catalog: Catalog, opts: StoreBuildOptions, reporter: Reporter = 
     store.mkdir(parents=True, exist_ok=True)
     remove_dead_work(store)
     envs, instances = select(catalog, opts.only, opts.shard, opts.environments_only)
+    _check_ownership(store, catalog)
     summary = BuildSummary()
     env_builds: dict[str, EnvBuild] = {}
     env_records: dict[str, EnvRecord] = {}
@@ -189,7 +192,7 @@ def build_store(catalog: Catalog, opts: StoreBuildOptions, reporter: Reporter = 
                         failed_in.write_text(opts.attempt)
                     raise
                 failed_in.unlink(missing_ok=True)
-                env_records[spec.name] = _env_record(paths, build)
+                env_records[spec.name] = _env_record(paths, build, catalog.path.name)
             env_builds[spec.name] = build
             return ItemResult("environment", spec.name, "built" if build.built else "up to date",
                               time.monotonic() - start, env_records[spec.name].size)
@@ -207,7 +210,7 @@ def build_store(catalog: Catalog, opts: StoreBuildOptions, reporter: Reporter = 
             with item_lock(store, f"inst-{spec.id}"):
                 build = build_instance(spec, env, store, backend=opts.build.backend, squash=opts.build.squash,
                                        verbose=opts.build.verbose, force=opts.build.force)
-            inst_records[spec.id] = _instance_record(paths, spec, build)
+            inst_records[spec.id] = _instance_record(paths, spec, build, catalog.path.name)
             return ItemResult("instance", spec.id, "built" if build.built else "up to date",
                               time.monotonic() - start, build.size)
         except ImageBuilderError as e:
@@ -231,6 +234,23 @@ def build_store(catalog: Catalog, opts: StoreBuildOptions, reporter: Reporter = 
     return summary
 
 
+def _check_ownership(store: Path, catalog: Catalog) -> None:
+    """Two catalogs in one store must not declare the same environment or instance: the second build
+    would replace the first's (and a full build of either would drop the other's)."""
+    try:
+        current = read_index(store) if (store / "index.json").exists() else Index({}, {})
+    except IndexError_:
+        return
+    mine = catalog.path.name
+    for kind, declared, held in (("environment", catalog.environments, current.environments),
+                                 ("instance", catalog.instances, current.instances)):
+        for name in declared:
+            owner = held[name].catalog if name in held else ""
+            if owner not in ("", mine):
+                raise ImageBuilderError(f"{catalog.path}: {kind} {shown_id(name)} is already in {store} from "
+                                        f"catalog {owner}; rename it in one of them or build into another store")
+
+
 def _update_index(store: Path, catalog: Catalog, opts: StoreBuildOptions, envs: dict[str, EnvRecord],
                   instances: dict[str, InstanceRecord]) -> Path:
     if opts.shard:
@@ -248,9 +268,10 @@ def _update_index(store: Path, catalog: Catalog, opts: StoreBuildOptions, envs: 
         # Items that failed this time keep their last verified build; new builds replace theirs.
         envs = {**current.environments, **envs}
         instances = {**current.instances, **instances}
-        if not opts.only:  # a full build: nothing the catalog no longer declares
-            envs = {k: v for k, v in envs.items() if k in catalog.environments}
-            instances = {k: v for k, v in instances.items() if k in catalog.instances}
+        if not opts.only:  # a full build: nothing this catalog no longer declares; other catalogs' items stay
+            mine = catalog.path.name
+            envs = {k: v for k, v in envs.items() if k in catalog.environments or v.catalog != mine}
+            instances = {k: v for k, v in instances.items() if k in catalog.instances or v.catalog != mine}
         instances = {k: v for k, v in instances.items() if v.environment in envs}
         return write_index(store, Index(envs, instances))
 

@@ -144,6 +144,7 @@ def main() -> int:
     for row in grading_sets(mbpp, swe):
         out = HOME / "results" / f"{row.name.lower().replace(' ', '-').replace('(', '').replace(')', '')}.jsonl"
         preds = load_predictions(row.predictions)
+        out.unlink(missing_ok=True)  # each demo grades afresh (a results file resumes, and checks it is the same run)
         with StoreExecutors(Store.open(row.store)) as executors:
             grade_to_file(load_tasks(row.tasks), preds, executors, out, workers=2)
         wanted = {p.task_id for p in preds}

@@ -35,6 +35,13 @@ def grade(task: Task, solution: str, executor: Executor, options: GradeOptions =
 
 def grade_prediction(prediction: Prediction, tasks: dict[str, Task], executor_for: ExecutorFor,
                      options: GradeOptions = GradeOptions()) -> GradeResult:
+    result = _graded(prediction, tasks, executor_for, options)
+    result.solution_sha256 = prediction.sha256
+    return result
+
+
+def _graded(prediction: Prediction, tasks: dict[str, Task], executor_for: ExecutorFor,
+            options: GradeOptions) -> GradeResult:
     task = tasks.get(prediction.task_id)
     if task is None:
         variants = sorted(t.task_id for t in tasks.values() if getattr(t, "original_id", None) == prediction.task_id

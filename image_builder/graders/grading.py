@@ -150,7 +150,12 @@ def grade_to_file(tasks: Iterable[Task], predictions: list[Prediction], executor
                   on_result: Callable[[GradeResult], None] = lambda r: None) -> int:
     """Grade what `output` does not hold yet, appending each result as it finishes; returns how many ran."""
     by_id = {t.task_id: t for t in tasks}
-    done = {r.task_id for r in read_results(output)}
+    done = {r.task_id: r.solution_sha256 for r in read_results(output)}
+    for prediction in predictions:
+        if prediction.task_id in done and done[prediction.task_id] != prediction.sha256:
+            raise ImageBuilderError(f"{output} holds a result for {prediction.task_id!r} graded from another "
+                                    "solution (other predictions, or an older image-builder); give another -o, or "
+                                    "remove the file to grade these")
     todo = [p for p in predictions if p.task_id not in done]
     output.parent.mkdir(parents=True, exist_ok=True)
     _drop_partial_line(output)
@@ -212,6 +217,7 @@ def regrade(results: Path, tasks: Iterable[Task], output: Path) -> tuple[Summary
         except (ValueError, TypeError) as exc:
             raise ImageBuilderError(f"{facts_file}: not a run record ({exc}); grade the task again") from None
         again = judge_facts(task, facts)
+        again.solution_sha256 = result.solution_sha256
         if (again.status, again.score) != (result.status, result.score):
             changed.append(result.task_id)
         new.append(again)

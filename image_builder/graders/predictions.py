@@ -28,6 +28,12 @@ class Prediction:
     solution: str | None  # code or patch; None when there is nothing to run
     reason: str = ""  # why solution is None
 
+    @property
+    def sha256(self) -> str:
+        """What a results file records of the solution, to tell a resumed run from another one."""
+        import hashlib
+        return "" if self.solution is None else hashlib.sha256(self.solution.encode("utf-8", "surrogatepass")).hexdigest()
+
 
 def extract_code(response: str) -> str | None:
     """The last ```python block; failing that the last untagged block; a response without any

@@ -47,6 +47,7 @@ class EnvRecord:
     build_key: str
     built_at: int
     env: dict[str, str] = field(default_factory=dict)
+    catalog: str = ""  # the file name of the catalog that declares it ("" in indexes before it was kept)
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class InstanceRecord:
     workdir: str = "/"
     test_command: str | None = None
     grader: dict = field(default_factory=dict)  # what the catalog gave for graders (dataset fields, ...)
+    catalog: str = ""  # as EnvRecord.catalog
 
 
 @dataclass(frozen=True)
@@ -81,9 +83,9 @@ def _check(cond: bool, where: str, what: str) -> None:
 
 
 _ENV_TYPES = {"name": str, "sif": str, "sha256": str, "size": int, "base": str, "base_digest": str,
-              "build_key": str, "built_at": int, "env": dict}
+              "build_key": str, "built_at": int, "env": dict, "catalog": str}
 _INST_TYPES = {"id": str, "environment": str, "sqfs": (str, type(None)), "sha256": (str, type(None)), "size": int,
-               "build_key": str, "workdir": str, "test_command": (str, type(None)), "grader": dict}
+               "build_key": str, "workdir": str, "test_command": (str, type(None)), "grader": dict, "catalog": str}
 
 
 def _record(cls, types: dict, doc: object, where: str):
