@@ -610,7 +610,8 @@ def grade(store, tasks, predictions, output, shard, jobs, timeout, memory, stric
     if instance is not None:
         opened.resolve(instance)  # UnknownInstance now, in one line, not once per task
     with StoreExecutors(opened, backend=Backend(backend) if backend else None, fallback=instance) as executors, \
-            _grade_progress(len(preds) - already) as progress:
+            _Progress(len(preds) - already, "grading",
+                      lambda r: f"{r.task_id}: {r.status.value} (score {r.score:.2f})") as progress:
         options = replace(_grade_options(timeout, memory, strict, access), compare=compare, repo_network=net)
         grade_to_file(task_list, preds, executors, output, options=options, workers=jobs, on_result=progress)
     wanted = {p.task_id for p in preds}
@@ -664,17 +665,17 @@ def results_merge(parts, predictions, output):
     _print_grades(merge_results(parts, load_predictions(predictions), output), output)
 
 
-class _grade_progress:
-    """A bar on a terminal, a line per task elsewhere; called with each result."""
+class _Progress:
+    """A bar on a terminal, a line per item elsewhere (`describe(item)`); called with each item done."""
 
-    def __init__(self, total: int):
-        self.total, self.done, self._bar = total, 0, None
+    def __init__(self, total: int, label: str, describe):
+        self.total, self.label, self.describe, self.done, self._bar = total, label, describe, 0, None
 
     def __enter__(self):
         if sys.stderr.isatty() and self.total:
             from rich.progress import Progress
             self._bar = Progress()
-            self._task = self._bar.add_task("grading", total=self.total)
+            self._task = self._bar.add_task(self.label, total=self.total)
             self._bar.start()
         return self
 
@@ -682,13 +683,12 @@ class _grade_progress:
         if self._bar:
             self._bar.stop()
 
-    def __call__(self, result) -> None:
+    def __call__(self, item) -> None:
         self.done += 1
         if self._bar:
             self._bar.advance(self._task)
         else:
-            click.echo(f"[{self.done}/{self.total}] {result.task_id}: {result.status.value} "
-                       f"(score {result.score:.2f})", err=True)
+            click.echo(f"[{self.done}/{self.total}] {self.describe(item)}", err=True)
 
 
 @main.command()
@@ -707,10 +707,14 @@ def qc(store, tasks, references, output_dir, jobs, timeout, memory, strict, acce
     from image_builder.graders.grading import StoreExecutors
     from image_builder.runtime.session import Backend
     from image_builder.store.store import Store
+    from image_builder.graders.impossible import is_mutation
     refs = {p.task_id: p.solution for p in load_predictions(references) if p.solution is not None}
-    with StoreExecutors(Store.open(store), backend=Backend(backend) if backend else None) as executors:
-        verdicts = quality_check_all(load_tasks(tasks), refs, executors,
-                                     _grade_options(timeout, memory, strict, access), workers=jobs)
+    task_list = load_tasks(tasks)
+    with StoreExecutors(Store.open(store), backend=Backend(backend) if backend else None) as executors, \
+            _Progress(sum(map(is_mutation, task_list)), "checking",
+                      lambda v: f"{v.task_id}: {'kept' if v.kept else 'dropped'}") as progress:
+        verdicts = quality_check_all(task_list, refs, executors, _grade_options(timeout, memory, strict, access),
+                                     workers=jobs, on_verdict=progress)
     kept, dropped = write_qc(verdicts, output_dir)
     click.echo(f"{sum(v.kept for v in verdicts)} kept ({kept}), {sum(not v.kept for v in verdicts)} dropped "
                f"({dropped})")

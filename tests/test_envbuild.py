@@ -390,3 +390,18 @@ def test_builds_and_runs_mask_the_same_proc_files():
     for name, python in (("PROC_MASKED", PROC_MASKED), ("PROC_READONLY", PROC_READONLY)):
         body = re.search(rf"{name}\[\] = {{(.*?)}};", init, re.S).group(1)
         assert tuple(re.findall(r'"([^"]+)"', body)) == python, name
+
+
+def test_a_catalog_anywhere_finds_the_shipped_scripts(tmp_path):
+    """Without `scripts_dir:` and without an env_scripts/ beside its folder, a catalog uses this checkout's."""
+    path = tmp_path / "elsewhere" / "cat.yaml"
+    path.parent.mkdir()
+    path.write_text("environments:\n  - {name: e, base: 'docker.io/library/python:3.11-slim', "
+                    "scripts: [apt-packages.sh, python-venv.sh]}\n")
+    assert load(path).environments["e"].scripts == (ROOT / "env_scripts/apt-packages.sh",
+                                                    ROOT / "env_scripts/python-venv.sh")
+    (tmp_path / "env_scripts").mkdir()  # one beside its folder wins, as for index/
+    (tmp_path / "env_scripts/python-venv.sh").write_text("true\n")
+    with pytest.raises(CatalogError, match=r"no script 'apt-packages.sh' in .*/env_scripts \(available: "
+                                           r"python-venv.sh\)"):
+        load(path)

@@ -73,6 +73,8 @@ def test_impossible_variants_fail_and_qc_keeps_them(mbpp_store, tmp_path):
     assert q.returncode == 0, q.stderr
     assert q.stdout.startswith("78 kept")
     assert (tmp_path / "qc/dropped.jsonl").read_text() == ""
+    progress = [line for line in q.stderr.splitlines() if line.startswith("[")]
+    assert len(progress) == 78 and progress[-1].startswith("[78/78] ") and progress[-1].endswith(": kept")
 
 
 def test_run_cli_behaves_like_a_local_command(mbpp_store, tmp_path):

@@ -233,6 +233,9 @@ class _Checker:
         return path
 
 
+SHIPPED_SCRIPTS = Path(__file__).resolve().parents[2] / "env_scripts"  # this checkout's env_scripts/
+
+
 def load(path: Path | str, *, scripts_dir: Path | None = None, bases: dict[str, str] | None = None) -> Catalog:
     """Read and validate a catalog; `bases` overrides its `bases:` aliases."""
     path = Path(path)
@@ -240,9 +243,11 @@ def load(path: Path | str, *, scripts_dir: Path | None = None, bases: dict[str, 
     c = _Checker(path)
     top = c.mapping(doc, "catalog", {"bases", "environments", "instances", "instance_sets", "scripts_dir"},
                     {"environments"})
-    if scripts_dir is None:
-        scripts_dir = (path.parent / (c.string(top, "scripts_dir", "catalog") if "scripts_dir" in top
-                                      else "../env_scripts")).resolve()
+    if scripts_dir is None and "scripts_dir" in top:
+        scripts_dir = (path.parent / c.string(top, "scripts_dir", "catalog")).resolve()
+    elif scripts_dir is None:  # beside the catalog's folder, as for index/; else the shipped ones
+        beside = (path.parent / "../env_scripts").resolve()
+        scripts_dir = beside if beside.is_dir() else SHIPPED_SCRIPTS
     aliases = top.get("bases") or {}
     if not isinstance(aliases, dict):
         raise c.fail(top, "bases", "bases must be a mapping of alias: image reference")

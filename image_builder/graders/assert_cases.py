@@ -39,10 +39,8 @@ HEADER = struct.Struct(">I")
 
 def grade_asserts(task: AssertTask, solution: str, executor: Executor, options: GradeOptions) -> GradeResult:
     mode = "strict" if options.strict else "plain"
-    with _COMPILED_LOCK:
-        known = ",".join(magic.hex() for magic in _COMPILED) or "-"
     evaluator = _Run(executor, RunRequest(
-        argv=(options.python, "-S", SIDES_FILE, "evaluator", CASES_FILE, mode, known),
+        argv=(options.python, "-S", SIDES_FILE, "evaluator", CASES_FILE, mode),
         files={SIDES_FILE: SIDES, CASES_FILE: Codec.plain.enc(tuple(task.cases))}, env=dict(options.env),
         timeout=(options.case_timeout + GRACE) * max(1, len(task.cases)) + GRACE, memory_mb=options.memory_mb,
         max_output=0))
@@ -58,29 +56,20 @@ def grade_asserts(task: AssertTask, solution: str, executor: Executor, options: 
     return from_cases(task.task_id, "assert", cases, "case")
 
 
-# assert_sides.py compiled by an evaluator, by the interpreter's magic number: the candidate's runs
-# start from it (5 ms a run less than compiling the source). An evaluator compiles it before it
-# reads a case, so no dataset code has touched it; and it only ever runs on the candidate's side.
-_COMPILED: dict[bytes, bytes] = {}
-_COMPILED_LOCK = threading.Lock()
-
-
 def _compiled(evaluator: _Run, deadline: float) -> tuple[str, bytes]:
-    """The candidate side's program: (path, content) to run."""
+    """The candidate side's program, (path, content): assert_sides.py as compiled by this task's evaluator
+    (its first message, sent before it reads a case), so each candidate run saves the 5 ms of compiling
+    it. Not kept across tasks: another instance's interpreter must never shape this one's runs."""
     while not evaluator.over and time.monotonic() < deadline:
         frame = evaluator.frames.pop()
         if frame is None:
             _pump((evaluator,), deadline)
             continue
         try:
-            magic, data = Codec.plain.dec(frame[1:]) if frame[:1] == b"p" else (None, b"")
+            magic, pyc = Codec.plain.dec(frame[1:]) if frame[:1] == b"p" else (b"", b"")
         except (ProtocolError, TypeError, ValueError):
             break
-        with _COMPILED_LOCK:
-            if data and type(magic) is bytes and data.startswith(magic):
-                _COMPILED[magic] = data
-            pyc = _COMPILED.get(magic)
-        if pyc is not None:
+        if type(magic) is bytes and type(pyc) is bytes and magic and pyc.startswith(magic):
             return SIDES_PYC, pyc
         break
     return SIDES_FILE, SIDES  # the first case then sees why the evaluator failed

@@ -903,14 +903,14 @@ def verdict_of(exc, channel, path):
     return ("raised", "".join(type(exc).__name__.split()) or "?", shown)
 
 
-def evaluator(cases_path, mode, known):
+def evaluator(cases_path, mode):
     """Each case of the file in turn, each against the candidate the grader connects for it."""
     scratch = os.path.dirname(os.path.abspath(cases_path))
     with open(cases_path, "rb") as f:
         cases = Codec.plain.dec(f.read())
     channel_out = os.dup(1)
     os.dup2(2, 1)  # a case's prints must not reach the channel
-    send_frame(channel_out, COMPILED, compiled(known.split(",")))
+    send_frame(channel_out, COMPILED, compiled())
     channel = EvaluatorChannel(channel_out, mode == "strict")
     for index, source in enumerate(cases):
         channel.codec.objects.clear()
@@ -922,13 +922,11 @@ def evaluator(cases_path, mode, known):
     os._exit(0)
 
 
-def compiled(known):
-    """This file as bytecode for this interpreter, for the candidate's runs: compiling it costs
-    each run 5 ms. The grader keeps it by magic number; `known` lists those it has."""
+def compiled():
+    """This file as bytecode for this interpreter, for the candidate's runs of this task: compiling it
+    costs each run 5 ms."""
     import marshal
     magic = sys.modules["_frozen_importlib_external"].MAGIC_NUMBER
-    if magic.hex() in known:
-        return (magic, b"")
     with open(__file__) as f:
         code = compile(f.read(), __file__, "exec", dont_inherit=True)
     header = bytes(12 if sys.version_info >= (3, 7) else 8)  # flags (from 3.7), mtime, size: unused here
@@ -957,4 +955,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "candidate":
         candidate(sys.argv[2])
     else:
-        evaluator(sys.argv[2], sys.argv[3], sys.argv[4])
+        evaluator(sys.argv[2], sys.argv[3])

@@ -10,6 +10,8 @@ intended fix nor doing nothing passes.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -68,14 +70,19 @@ def quality_check(task: Task, reference: str | None, executor_for: ExecutorFor, 
 
 
 def quality_check_all(tasks: list[Task], references: dict[str, str], executor_for: ExecutorFor,
-                      options: GradeOptions = GradeOptions(), workers: int = 2) -> list[QcVerdict]:
+                      options: GradeOptions = GradeOptions(), workers: int = 2,
+                      on_verdict: Callable[[QcVerdict], None] = lambda v: None) -> list[QcVerdict]:
     """Checks every mutated task; `references` maps original task ids to reference solutions,
-    and unmutated tasks in `tasks` serve as the originals."""
+    and unmutated tasks in `tasks` serve as the originals. `on_verdict` hears of each as it is made."""
     originals = {t.task_id: t for t in tasks if not is_mutation(t)}
+    lock = threading.Lock()
 
     def check(task: Task) -> QcVerdict:
-        return quality_check(task, references.get(task.original_id), executor_for, options,
-                             originals.get(task.original_id))
+        verdict = quality_check(task, references.get(task.original_id), executor_for, options,
+                                originals.get(task.original_id))
+        with lock:
+            on_verdict(verdict)
+        return verdict
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
         return list(pool.map(check, [t for t in tasks if is_mutation(t)]))
