@@ -15,6 +15,16 @@ def host():
     return HostExecutor()
 
 
+@pytest.fixture(scope="module")
+def sandbox(mbpp_store):
+    """The real runtime: the MBPP store's environment (instance 512 adds nothing to it)."""
+    from image_builder.graders.grading import StoreExecutors
+    from image_builder.store.store import Store
+
+    with StoreExecutors(Store.open(mbpp_store)) as executors:
+        yield executors.for_instance("512")
+
+
 def run(host, solution: str, *cases: str, strict: bool = False):
     result = grade(AssertTask("t", cases, "t"), solution, host, GradeOptions(strict=strict, case_timeout=5))
     return [(c.status, c.reason) for c in result.cases]
@@ -39,8 +49,10 @@ LIBRARY = (
 )
 
 
+@pytest.mark.parametrize("where", ["host", "sandbox"])
 @pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
-def test_library_values_compare_as_in_one_process(host, strict):
+def test_library_values_compare_as_in_one_process(request, where, strict):
+    host = request.getfixturevalue(where)
     cases = [
         "assert counts('aab') == {'a': 2, 'b': 1} and type(counts('a')).__name__ == 'Counter'",
         "assert ordered() == {'a': 2, 'b': 1} and list(ordered()) == ['b', 'a']",

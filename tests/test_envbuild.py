@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pty
+import re
 import subprocess
 import time
 import zipfile
@@ -382,8 +384,6 @@ def test_a_root_build_cannot_reach_the_host(tmp_path, debian_base, registries):
 
 
 def test_builds_and_runs_mask_the_same_proc_files():
-    import re
-
     from image_builder.runtime.mounts import PROC_MASKED, PROC_READONLY
 
     init = (ROOT / "image_builder/runtime/native/init.c").read_text()
@@ -405,3 +405,26 @@ def test_a_catalog_anywhere_finds_the_shipped_scripts(tmp_path):
     with pytest.raises(CatalogError, match=r"no script 'apt-packages.sh' in .*/env_scripts \(available: "
                                            r"python-venv.sh\)"):
         load(path)
+
+
+def test_an_instance_set_takes_only_the_rows_asked_for(tmp_path):
+    """One SWE-bench JSONL of two repositories, one instance set per repository (`only:`)."""
+    rows = [{"instance_id": f"{repo.replace('/', '__')}-{i}", "repo": repo, "base_commit": "a" * 40,
+             "version": "1.0", "patch": "diff", "test_patch": "diff", "FAIL_TO_PASS": "[]", "PASS_TO_PASS": "[]"}
+            for repo in ("pytest-dev/pytest", "pylint-dev/pylint") for i in range(2)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts/s.sh").write_text("true\n")
+    head = ("scripts_dir: scripts\nenvironments:\n  - {name: e, base: 'docker.io/library/python:3.11-slim', "
+            "scripts: [s.sh]}\ninstance_sets:\n  - from: data.jsonl\n    environment: e\n")
+    path = tmp_path / "c.yaml"
+    path.write_text(head + "    only: {repo: pylint-dev/pylint}\n")
+    assert sorted(load(path).instances) == ["pylint-dev__pylint-0", "pylint-dev__pylint-1"]
+    path.write_text(head + "    only: {repo: [pylint-dev/pylint, pytest-dev/pytest], version: '1.0'}\n")
+    assert len(load(path).instances) == 4
+    for only, needle in (("{repository: x}", "no field 'repository' in the dataset's tasks (they have: "),
+                         ("{repo: django/django}", "no task of the dataset matches"),
+                         ("[repo]", "only must map template fields")):
+        path.write_text(head + f"    only: {only}\n")
+        with pytest.raises(CatalogError, match=re.escape(needle)):
+            load(path)

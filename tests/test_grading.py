@@ -23,9 +23,11 @@ def results(path: Path) -> dict[str, dict]:
     return {r["task_id"]: r for r in map(json.loads, path.read_text().splitlines())}
 
 
-def test_mbpp_reference_solutions_pass_in_the_sandbox(mbpp_store, tmp_path):
+@pytest.mark.parametrize("mode", [(), ("--strict",)], ids=["default", "strict"])
+def test_mbpp_reference_solutions_pass_in_the_sandbox(mbpp_store, tmp_path, mode):
     out = tmp_path / "ref.jsonl"
-    r = grade(mbpp_store, DATA / "mbpp_train_40.parquet", DATA / "mbpp_train_40_solutions.jsonl", out, "-j", "2")
+    r = grade(mbpp_store, DATA / "mbpp_train_40.parquet", DATA / "mbpp_train_40_solutions.jsonl", out, "-j", "2",
+              *mode)
     assert r.returncode == 0, r.stderr
     got = results(out)
     assert len(got) == 40 and all(x["status"] == "passed" and x["score"] == 1.0 for x in got.values()), \

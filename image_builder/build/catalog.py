@@ -337,18 +337,43 @@ def _read_yaml(path: Path) -> Any:
         raise CatalogError(f"{path}:{mark.line + 1 if mark else 1}: not valid YAML: {why}") from e
 
 
+def _only(c: _Checker, node: Any, where: str, found: list) -> list:
+    """The drafts whose template fields match every `only:` entry (rows that cannot be instances at all
+    still fail the set: there is nothing to match them by)."""
+    wanted = node["only"]
+    if not isinstance(wanted, dict) or not wanted:
+        raise c.fail(node, "only", f"{where}.only must map template fields to a value or a list of values")
+    rules = {}
+    for field_name, values in wanted.items():
+        values = [values] if isinstance(values, str) else values
+        if not isinstance(values, list) or not values or not all(isinstance(v, str) for v in values):
+            raise c.fail(wanted, field_name, f"{where}.only.{field_name} must be a string or a list of strings")
+        rules[field_name] = set(values)
+    fields = set().union(*(d.fields for d in found)) if found else set()
+    for field_name in rules:
+        if found and field_name not in fields:
+            raise c.fail(wanted, field_name, f"{where}.only: no field {field_name!r} in the dataset's tasks "
+                                             f"(they have: {', '.join(sorted(fields))})")
+    kept = [d for d in found if all(d.fields.get(k) in v for k, v in rules.items())]
+    if not kept:
+        raise c.fail(node, "only", f"{where}.only: no task of the dataset matches")
+    return kept
+
+
 def _instance_set(c: _Checker, path: Path, scripts_dir: Path, node: Any, where: str,
                   environments: dict[str, EnvironmentSpec]) -> list[InstanceSpec]:
     """One instance per task of a dataset file (see datasets.py)."""
     from image_builder.errors import ImageBuilderError as _Err
     from .datasets import drafts, fill
     c.mapping(node, where, {"from", "environment", "script", "env", "context", "workdir", "test_command",
-                            "timeout"}, {"from", "environment"})
+                            "timeout", "only"}, {"from", "environment"})
     source = (path.parent / c.string(node, "from", where)).resolve()
     try:
         found, bad = drafts(source)
     except _Err as e:
         raise c.fail(node, "from", f"{where}.from: {e}") from e
+    if "only" in node:  # the rows wanted: {field: value or [values]}, e.g. {repo: pytest-dev/pytest}
+        found = _only(c, node, where, found)
     if bad:
         raise c.fail(node, "from", f"{where}.from: {len(bad)} tasks of {source} cannot be instances; first, "
                                    f"{bad[0]}")
