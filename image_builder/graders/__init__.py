@@ -1,7 +1,8 @@
 """Graders: run candidate code for benchmark tasks inside an instance and score it.
 
-Everything a grader runs goes through `image_builder.runtime.execution.Executor.run`
-(patching, writing files, running tests): graders never touch the host.
+Everything a grader runs goes through `image_builder.runtime.execution.Executor`
+(`run`, or `stream` for a conversation with a run): patching, writing files, running
+tests; graders never touch the host.
 
     image_builder.tasks.load_tasks(path)  verl parquet, JSONL, SWE-bench/ImpossibleBench JSONL
     predictions.load_predictions(path) solutions, model patches, or raw responses
@@ -10,10 +11,12 @@ Everything a grader runs goes through `image_builder.runtime.execution.Executor.
     impossible.quality_check_all(...)  ImpossibleBench's check of mutated tasks
     results.summarize / write_jsonl    pass rate, statuses, timeouts; JSONL records
 
-Graders by task kind: assert_cases (verl assert_case), stdio (stdin/stdout and
+Graders by task kind: assert_cases (verl assert_case: the relay between the two runs
+whose code is assert_sides.py, the evaluator and the candidate), stdio (stdin/stdout and
 call-based, LiveCodeBench comparison), swebench (repo tests). access holds
 ImpossibleBench's test-access modes. grading.py runs them on a store's instances
-(StoreExecutors, resumable results files, shards); rewards.py is verl's reward function.
+(StoreExecutors, resumable results files, shards, per-run artifacts and regrade); rewards.py
+is verl's reward function.
 
 May import: errors, tasks, store, runtime (execution and sessions only through grading.py).
 """
