@@ -168,3 +168,47 @@ def test_a_solution_that_breaks_the_channel_or_dies_is_an_error(host):
 def test_malformed_data_is_a_protocol_error(data):
     with pytest.raises(ProtocolError):
         Codec.plain.dec(data)
+
+
+def test_a_solution_flooding_the_channel_is_held_back_not_buffered(host):
+    """Well-formed frames as fast as a thread can write them while the evaluator is busy: the grader stops
+    reading the solution once a message's worth waits for the evaluator, so its memory stays flat."""
+    import threading
+
+    def rss_mb() -> float:
+        status = open("/proc/self/status").read()
+        return int(status.split("VmRSS:")[1].split()[0]) / 1024
+
+    flood = ("import os\n"  # each frame a well-formed request the evaluator answers, 16 MiB of bytes
+             "n = 16 << 20\n"
+             "body = (b'e' + b't' + (2).to_bytes(4, 'big') + b'u' + (5).to_bytes(4, 'big') + b'flood'\n"
+             "        + b'b' + n.to_bytes(4, 'big') + b'x' * n)\n"
+             "frame = len(body).to_bytes(4, 'big') + body\n"
+             "channel = next(fd for fd in range(3, 64) if os.path.exists('/proc/self/fd/%d' % fd)\n"
+             "               and os.readlink('/proc/self/fd/%d' % fd).startswith('pipe:'))\n"
+             "def pour():\n"
+             "    __import__('time').sleep(0.5)  # after the names are answered: the thread writes alone\n"
+             "    while True:\n"
+             "        os.write(channel, frame)\n"
+             "import threading\n"
+             "threading.Thread(target=pour, daemon=True).start()\n"
+             "def f():\n"
+             "    return 1\n")
+    before, peak, done = rss_mb(), [0.0], threading.Event()
+
+    def watch() -> None:  # the grader's own memory while the case runs (ru_maxrss is the whole run's peak)
+        while not done.wait(0.05):
+            peak[0] = max(peak[0], rss_mb())
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    # The case keeps the evaluator busy (not reading) while the solution's thread pours.
+    case = "import time\ntime.sleep(2)\nassert f() == 1"
+    try:
+        got = grade(AssertTask("t", (case,), "t"), flood, host, GradeOptions(case_timeout=4))
+    finally:
+        done.set()
+        watcher.join()
+    grown_mb = peak[0] - before
+    assert got.cases[0].status is not None  # a verdict, whichever: the flood must not cost the grader memory
+    assert grown_mb < 400, f"the grader grew by {grown_mb:.0f} MB"

@@ -76,8 +76,12 @@ def _compiled(evaluator: _Run, deadline: float) -> tuple[str, bytes]:
 
 
 def _pump(runs: tuple[_Run, ...], deadline: float) -> None:
-    """Wait until one of the runs' pipes is ready (or the deadline), and move what is ready."""
-    readers = {fd: f for r in runs for fd, f in ((r.stdout, r.read_out), (r.stderr, r.read_err)) if fd >= 0}
+    """Wait until one of the runs' pipes is ready (or the deadline), and move what is ready. While a
+    run has more than a message waiting to be written to it, the other runs' stdout is not read: a
+    side that floods the other is held back by its own pipe, not buffered here without end."""
+    flooded = [r for r in runs if len(r.outbox) > MAX_FRAME]
+    readers = {fd: f for r in runs for fd, f in ((r.stdout, r.read_out), (r.stderr, r.read_err))
+               if fd >= 0 and not (f == r.read_out and any(other is not r for other in flooded))}
     writers = [r.stdin for r in runs if r.outbox and r.stdin >= 0]
     ready_r, _, _ = select.select(list(readers), writers, [], max(0.0, deadline - time.monotonic()))
     for fd in ready_r:
