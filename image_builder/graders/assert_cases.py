@@ -136,24 +136,22 @@ class _Run:
             self.outbox.clear()
 
     def read_out(self) -> None:
-        try:
-            chunk = os.read(self.stdout, 1 << 20)
-        except BlockingIOError:
-            return
-        if chunk:
+        if chunk := self._read("stdout", 1 << 20):
             self.frames.feed(chunk)
-        else:
-            self._close("stdout")
 
     def read_err(self) -> None:
-        try:
-            chunk = os.read(self.stderr, 1 << 16)
-        except BlockingIOError:
-            return
-        if chunk:
+        if chunk := self._read("stderr", 1 << 16):
             self.err_tail = (self.err_tail + chunk)[-4 * 1024:]
-        else:
-            self._close("stderr")
+
+    def _read(self, name: str, size: int) -> bytes:
+        """What the pipe has now (b"" when nothing yet); at its end the pipe is closed."""
+        try:
+            chunk = os.read(getattr(self, name), size)
+        except BlockingIOError:
+            return b""
+        if not chunk:
+            self._close(name)
+        return chunk
 
     def _close(self, name: str) -> None:
         fd = getattr(self, name)

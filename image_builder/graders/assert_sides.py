@@ -109,6 +109,7 @@ class Codec(object):
         self.objects = {}  # ref -> object of this side
         self.refs = {}  # id(object) -> ref
         self.decoders = dict((ord(tag), getattr(self, "d_" + name)) for tag, name in DECODERS)
+        self.decoders.update((tag[0], self.collection(kind)) for kind, tag in ITEMS.items())
         if proxy is not None:
             self.decoders[own_tag[0]], self.decoders[other_tag[0]] = self.d_own, self.d_other
 
@@ -237,21 +238,14 @@ class Codec(object):
         return data[pos + 4:pos + 4 + n], pos + 4 + n
 
     def many(self, data, pos):
-        n = int.from_bytes(data[pos:pos + 4], "big")
-        if n > len(data) - pos:  # every item takes a byte at least
-            raise ProtocolError("a count past the end")
-        pos += 4
-        out = []
-        for _ in range(n):
-            value, pos = self.get(data, pos)
-            out.append(value)
-        return out, pos
+        return self.many_n(data, pos, 1)
 
     def many_pairs(self, data, pos):
         flat, pos = self.many_n(data, pos, 2)
         return list(zip(flat[::2], flat[1::2])), pos
 
     def many_n(self, data, pos, per):
+        """A count, then `per` values for each (checked against what is left: every value takes a byte)."""
         n = int.from_bytes(data[pos:pos + 4], "big")
         if n * per > len(data) - pos:
             raise ProtocolError("a count past the end")
@@ -295,20 +289,12 @@ class Codec(object):
         imag, pos = self.get(data, pos)
         return complex(_number(real), _number(imag)), pos
 
-    def d_list(self, data, pos):
-        return self.many(data, pos)
-
-    def d_tuple(self, data, pos):
-        items, pos = self.many(data, pos)
-        return tuple(items), pos
-
-    def d_set(self, data, pos):
-        items, pos = self.many(data, pos)
-        return set(items), pos
-
-    def d_frozenset(self, data, pos):
-        items, pos = self.many(data, pos)
-        return frozenset(items), pos
+    def collection(self, kind):
+        """The decoder of one of ITEMS' types: a count, then the items."""
+        def decode(data, pos):
+            items, pos = self.many(data, pos)
+            return kind(items), pos
+        return decode
 
     def d_dict(self, data, pos):
         pairs, pos = self.many_pairs(data, pos)
@@ -369,10 +355,9 @@ class Codec(object):
         return self.proxy(_int(ref), _str(type_name)), pos
 
 
-ITEMS = {list: b"l", tuple: b"t", set: b"s", frozenset: b"f"}
+ITEMS = {list: b"l", tuple: b"t", set: b"s", frozenset: b"f"}  # one table for encoding and decoding
 DECODERS = (("N", "none"), ("T", "true"), ("F", "false"), ("i", "int"), ("d", "float"), ("u", "str"),
-            ("b", "bytes"), ("B", "bytearray"), ("j", "complex"), ("l", "list"), ("t", "tuple"), ("s", "set"),
-            ("f", "frozenset"), ("x", "dict"), ("r", "range"), ("C", "counter"), ("O", "ordered"),
+            ("b", "bytes"), ("B", "bytearray"), ("j", "complex"), ("x", "dict"), ("r", "range"), ("C", "counter"), ("O", "ordered"),
             ("D", "defaultdict"), ("q", "deque"), ("n", "namedtuple"), ("m", "decimal"), ("Q", "fraction"))
 
 

@@ -33,19 +33,31 @@ def grade(task: Task, solution: str, executor: Executor, options: GradeOptions =
         return GradeResult(task.task_id, kind, TaskStatus.ERROR, reason=f"grading run failed: {exc}")
 
 
-def grade_prediction(prediction: Prediction, tasks: dict[str, Task], executor_for: ExecutorFor,
+class TaskIndex:
+    """Tasks by id, and the ids of ImpossibleBench variants by their original's id (a prediction keyed
+    by the original id is told which ones to use), both built once for a whole predictions file."""
+
+    def __init__(self, tasks: Iterable[Task]):
+        self.by_id = {t.task_id: t for t in tasks}
+        self.variants: dict[str, list[str]] = {}
+        for task in self.by_id.values():
+            original = getattr(task, "original_id", None)
+            if original is not None and original != task.task_id:
+                self.variants.setdefault(original, []).append(task.task_id)
+
+
+def grade_prediction(prediction: Prediction, tasks: TaskIndex, executor_for: ExecutorFor,
                      options: GradeOptions = GradeOptions()) -> GradeResult:
     result = _graded(prediction, tasks, executor_for, options)
     result.solution_sha256 = prediction.sha256
     return result
 
 
-def _graded(prediction: Prediction, tasks: dict[str, Task], executor_for: ExecutorFor,
+def _graded(prediction: Prediction, tasks: TaskIndex, executor_for: ExecutorFor,
             options: GradeOptions) -> GradeResult:
-    task = tasks.get(prediction.task_id)
+    task = tasks.by_id.get(prediction.task_id)
     if task is None:
-        variants = sorted(t.task_id for t in tasks.values() if getattr(t, "original_id", None) == prediction.task_id
-                          and t.task_id != prediction.task_id)
+        variants = sorted(tasks.variants.get(prediction.task_id, ()))
         hint = f"; the tasks hold its variants {', '.join(map(repr, variants[:4]))}: key predictions by those" \
             if variants else ""
         return GradeResult(prediction.task_id, "", TaskStatus.UNKNOWN_TASK,
@@ -62,6 +74,6 @@ def _graded(prediction: Prediction, tasks: dict[str, Task], executor_for: Execut
 def grade_predictions(tasks: Iterable[Task], predictions: Iterable[Prediction], executor_for: ExecutorFor,
                       options: GradeOptions = GradeOptions(), workers: int = 2) -> list[GradeResult]:
     """One result per prediction, in the predictions' order; tasks run `workers` at a time."""
-    by_id = {task.task_id: task for task in tasks}
+    index = TaskIndex(tasks)
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(lambda p: grade_prediction(p, by_id, executor_for, options), predictions))
+        return list(pool.map(lambda p: grade_prediction(p, index, executor_for, options), predictions))

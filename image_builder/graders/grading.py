@@ -16,8 +16,9 @@ from __future__ import annotations
 import json
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 from image_builder.errors import ImageBuilderError
@@ -28,10 +29,10 @@ from image_builder.store.files import atomic_write
 from image_builder.store.store import Store, UnknownInstance
 from image_builder.store.ids import file_name
 from image_builder.tasks import RepoTask, Task
-from .grade import grade_prediction
+from .grade import TaskIndex, grade_prediction
 from .options import GradeOptions
 from .predictions import Prediction
-from .results import GradeResult, Summary, summarize
+from .results import GradeResult, Summary, summarize, write_jsonl
 
 
 def instance_of(task: Task) -> str:
@@ -120,16 +121,18 @@ class _InstanceExecutor:
         self.test_command = test_command  # the catalog's, for repo graders (swebench.resolve_test_command)
 
     def run(self, request: RunRequest) -> RunResult:
-        session = self._pool._acquire(self._key, self._layers)
-        try:
+        with self._session() as session:
             return session.run(request)
-        finally:
-            self._pool._release(self._key)
 
     def stream(self, request: RunRequest, stdin: int | None = None, stdout: int = 1, stderr: int = 2) -> RunResult:
+        with self._session() as session:
+            return session.stream(request, stdin, stdout, stderr)
+
+    @contextmanager
+    def _session(self) -> Iterator[Session]:
         session = self._pool._acquire(self._key, self._layers)
         try:
-            return session.stream(request, stdin, stdout, stderr)
+            yield session
         finally:
             self._pool._release(self._key)
 
@@ -149,7 +152,7 @@ def grade_to_file(tasks: Iterable[Task], predictions: list[Prediction], executor
                   output: Path, *, options: GradeOptions = GradeOptions(), workers: int = 2,
                   on_result: Callable[[GradeResult], None] = lambda r: None) -> int:
     """Grade what `output` does not hold yet, appending each result as it finishes; returns how many ran."""
-    by_id = {t.task_id: t for t in tasks}
+    index = TaskIndex(tasks)
     done = {r.task_id: r.solution_sha256 for r in read_results(output)}
     for prediction in predictions:
         if prediction.task_id in done and done[prediction.task_id] != prediction.sha256:
@@ -162,7 +165,7 @@ def grade_to_file(tasks: Iterable[Task], predictions: list[Prediction], executor
     lock = threading.Lock()
     with open(output, "a") as out, ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         def one(prediction: Prediction) -> None:
-            result = grade_prediction(prediction, by_id, executor_for, options)
+            result = grade_prediction(prediction, index, executor_for, options)
             with lock:
                 if result.artifacts:
                     write_artifacts(output, result)  # before the result line: a listed result has its files
@@ -221,8 +224,7 @@ def regrade(results: Path, tasks: Iterable[Task], output: Path) -> tuple[Summary
         if (again.status, again.score) != (result.status, result.score):
             changed.append(result.task_id)
         new.append(again)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(output, lambda f: f.writelines(json.dumps(r.to_dict()).encode() + b"\n" for r in new))
+    write_jsonl(new, output)
     return write_summary(new, output), changed
 
 
@@ -268,6 +270,5 @@ def merge_results(parts: Iterable[Path], predictions: list[Prediction], output: 
         raise ImageBuilderError(f"{len(missing)} predictions have no result in the shards' files (first: "
                                 f"{missing[0]!r}); run or resubmit the shards that failed, then merge again")
     results = [found[task_id] for task_id in wanted]
-    output.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(output, lambda f: f.writelines(json.dumps(r.to_dict()).encode() + b"\n" for r in results))
+    write_jsonl(results, output)
     return write_summary(results, output)

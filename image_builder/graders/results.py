@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable
 
+from image_builder.store.files import atomic_write
+
 
 class CaseStatus(str, enum.Enum):
     PASSED = "passed"
@@ -146,9 +148,8 @@ def _first_ids(results: list[GradeResult], keep: int = 5) -> dict[str, list[str]
 
 
 def write_jsonl(records: Iterable, path: Path) -> Path:
-    """Writes records that have a to_dict() (results, qc verdicts), one JSON object a line."""
+    """Writes records that have a to_dict() (results, qc verdicts), one JSON object a line, published
+    whole (a temporary file, renamed)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as out:
-        for record in records:
-            out.write(json.dumps(record.to_dict()) + "\n")
+    atomic_write(path, lambda f: f.writelines(json.dumps(r.to_dict()).encode() + b"\n" for r in records))
     return path

@@ -290,7 +290,7 @@ def grade_repo(task: RepoTask, patch: str, executor: Executor, options: GradeOpt
                                      max_output=options.repo_max_output, network=options.repo_network))
     run = read_run(result, nonce)
     facts = RunFacts(options.access.value, reverted, test_cmd, pytest, [p for _, p in infra], options.repo_network,
-                     run.notes, run.apply_log, run.test_log, run.finished, result.timed_out)
+                     run.notes, run.apply_log, run.test_log, run.finished, run.timed_out)
     graded = judge_facts(task, facts)
     graded.artifacts = facts.artifacts(script, patch)
     return graded
@@ -329,8 +329,7 @@ class RunFacts:
 
 
 def judge_facts(task: RepoTask, facts: RunFacts) -> GradeResult:
-    result = RunResult(None, None, facts.timed_out, False, 0.0, None, b"", b"")
-    run = Run(result, facts.notes, facts.apply_log, facts.test_log, facts.finished)
+    run = Run(facts.timed_out, facts.notes, facts.apply_log, facts.test_log, facts.finished)
     graded = judge(task, run, TestAccess(facts.access), facts.reverted, facts.test_cmd, facts.pytest,
                    infra=facts.infra)
     if graded.repo is not None:
@@ -378,7 +377,7 @@ def eval_script(base_commit: str, access: TestAccess, reset_paths: list[str], co
 @dataclass
 class Run:
     """One evaluation run, read back: only what carries the nonce."""
-    result: RunResult
+    timed_out: bool
     notes: dict[str, str]  # the grader channel's notes: model, exit, junit, errors
     apply_log: str  # stdout before the start marker: patch application
     test_log: str | None  # between the markers; None if the tests never started
@@ -396,9 +395,9 @@ def read_run(result: RunResult, nonce: str) -> Run:
     start, end = f">>>>> {nonce} start\n", f">>>>> {nonce} end\n"
     apply_log, started, rest = stdout.partition(start)
     if not started:
-        return Run(result, notes, apply_log, None)
+        return Run(result.timed_out, notes, apply_log, None)
     test_log = rest.partition(end)[0] if end in rest else rest  # no end marker: cut short (timeout, output limit)
-    return Run(result, notes, apply_log, test_log, end in rest)
+    return Run(result.timed_out, notes, apply_log, test_log, end in rest)
 
 
 def judge(task: RepoTask, run: Run, access: TestAccess, reverted: list[str], test_cmd: str,
@@ -410,7 +409,7 @@ def judge(task: RepoTask, run: Run, access: TestAccess, reverted: list[str], tes
         return GradeResult(task.task_id, "repo", TaskStatus.PATCH_FAILED,
                            reason="candidate patch does not apply (git apply, git apply --reject, patch --fuzz=5)",
                            repo=_report(task, run, access, reverted, test_cmd, {}, "", [], **extra))
-    if "test-patch-failed" in notes or "error" in notes or run.test_log is None and not run.result.timed_out:
+    if "test-patch-failed" in notes or "error" in notes or run.test_log is None and not run.timed_out:
         why = ("test patch does not apply" if "test-patch-failed" in notes
                else notes.get("error") or "the evaluation script ended before the tests started")
         return GradeResult(task.task_id, "repo", TaskStatus.ERROR, reason=why,
@@ -422,7 +421,7 @@ def judge(task: RepoTask, run: Run, access: TestAccess, reverted: list[str], tes
                if s not in _SUCCESS and s not in _NEUTRAL]
     if report.resolved:
         reason = ""
-    elif run.result.timed_out:
+    elif run.timed_out:
         reason = "the test run timed out"
     elif not failing:
         reason = "the test run did not finish"
@@ -487,14 +486,14 @@ def _report(task: RepoTask, run: Run, access: TestAccess, reverted: list[str], t
     pass_to_pass = {t: statuses.get(t, MISSING) for t in task.pass_to_pass}
     outcomes = [*fail_to_pass.values(), *pass_to_pass.values()]
     # SWE-bench with empty FAIL_TO_PASS and PASS_TO_PASS: resolved once the test output is complete
-    ran = bool(statuses) if outcomes else run.finished and not run.result.timed_out
+    ran = bool(statuses) if outcomes else run.finished and not run.timed_out
     resolved = ran and all(s in _SUCCESS or s in _NEUTRAL for s in outcomes)
     exit_note = run.notes.get("exit", "")
     applied = run.notes.get("model")
     return RepoReport(access=access.value, patch_applied_with=None if applied in (None, "none") else applied,
                       reverted_files=reverted, test_command=test_cmd,
                       test_exit_code=int(exit_note) if exit_note.isdigit() else None,
-                      timed_out=run.result.timed_out, fail_to_pass=fail_to_pass, pass_to_pass=pass_to_pass,
+                      timed_out=run.timed_out, fail_to_pass=fail_to_pass, pass_to_pass=pass_to_pass,
                       resolved=resolved, crosscheck=crosscheck, mismatches=mismatches,
                       dropped_changes=list(infra) if access is not TestAccess.OPEN else [],
                       test_infrastructure_modified=list(infra) if access is TestAccess.OPEN else [],
