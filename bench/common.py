@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from image_builder.devtools.bases import debian_rootfs
+from image_builder.oci.debian import debian_rootfs
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("IMAGE_BUILDER_BENCH_CACHE", Path.home() / ".cache" / "image_builder-bench"))

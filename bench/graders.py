@@ -31,7 +31,8 @@ from bench.common import CACHE, ROOT, Report, Row, python_rootfs
 from image_builder.build.catalog import load
 from image_builder.build.envbuild import BuildOptions
 from image_builder.build.storebuild import StoreBuildOptions, build_store
-from image_builder.devtools.localregistry import push_image, rootfs_layer, self_signed_cert, start_registry
+from image_builder.devtools.localregistry import push_image, self_signed_cert, start_registry
+from image_builder.oci.layout import rootfs_layer
 from image_builder.graders import AssertTask, GradeOptions, Prediction, grade_predictions, load_tasks
 from image_builder.graders.grading import StoreExecutors
 from image_builder.oci.cache import BlobCache

@@ -12,7 +12,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from image_builder.devtools.localregistry import push_image, rootfs_layer, self_signed_cert, start_registry
+from image_builder.devtools.localregistry import push_image, self_signed_cert, start_registry
+from image_builder.oci.layout import rootfs_layer
 from bench.common import CACHE, VENV_BIN, Report, Row, need, python_rootfs, timed
 from tests.support.servers import FaultProxy
 

@@ -27,7 +27,8 @@ import tempfile
 from pathlib import Path
 
 from bench.common import VENV_BIN, Report, Row, timed
-from image_builder.devtools.localregistry import push_image, rootfs_layer, self_signed_cert, start_registry
+from image_builder.devtools.localregistry import push_image, self_signed_cert, start_registry
+from image_builder.oci.layout import rootfs_layer
 from image_builder.store.store import remove_tree
 from tests.support.bases import tiny_rootfs
 from tests.support.slurm_cluster import SlurmCluster, start_cluster

@@ -97,12 +97,13 @@ def pull(ref, platform_, rootfs, as_json, jobs, cache_dir, ca_cert, plain_http, 
 
 
 def _parse_bases(values: tuple[str, ...]) -> dict[str, str]:
+    from image_builder.oci.local import is_local, resolve_path
     bases = {}
     for v in values:
         alias, sep, ref = v.partition("=")
         if not sep or not alias or not ref:
             raise click.BadParameter(f"{v!r}: expected ALIAS=REFERENCE", param_hint="--base")
-        bases[alias] = ref
+        bases[alias] = resolve_path(ref, Path.cwd()) if is_local(ref) else ref  # relative to here, not the catalog
     return bases
 
 
@@ -207,6 +208,8 @@ def _print_summary(summary) -> None:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, *rows]:
         click.echo("  ".join(str(c).rjust(w) for c, w in zip(r, widths)))
+    for first, others in summary.shared:
+        click.echo(f"{', '.join(others)}: same environment as {first} (one image)")
     click.echo(f"{summary.seconds:.1f} s; index: {summary.index}")
 
 
@@ -225,7 +228,7 @@ def debug(environment, store, backend):
     from image_builder.build.envbuild import debug_shell, failed_build
     from image_builder.build.sandbox import BuildBackend
     failed = failed_build(store, environment)
-    click.echo(f"debug shell in {failed.rootfs} ({(BuildBackend(backend) if backend else failed.backend).value}); "
+    click.echo(f"debug shell in {failed.where} ({(BuildBackend(backend) if backend else failed.backend).value}); "
                "the scripts are in the catalog's env_scripts/; exit to leave", err=True)
     sys.exit(debug_shell(failed, BuildBackend(backend) if backend else None))
 
@@ -286,17 +289,21 @@ def ls_(store, as_json):
     rows = []
     for name, env in sorted(index.environments.items()):
         insts = [i for i in index.instances.values() if i.environment == name]
-        rows.append({"environment": name, "instances": len(insts), "sif_bytes": env.size,
+        own = env.overlays[-1] if env.overlays else env
+        rows.append({"environment": name, "instances": len(insts), "image": own.file if env.overlays else env.sif,
+                     "image_bytes": own.size, "layers": len(env.files),
                      "instance_bytes": sum(i.size for i in insts), "base": env.base})
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
-    click.echo(f"{'environment':<28} {'instances':>9} {'.sif':>10} {'instances':>10}  base")
+    # An environment's own image: its .sif, or for one built `from:` another its overlay (shared files once).
+    click.echo(f"{'environment':<28} {'instances':>9} {'image':>10} {'layers':>6} {'instances':>10}  base")
     for r in rows:
-        click.echo(f"{r['environment']:<28} {r['instances']:>9} {_human(r['sif_bytes']):>10} "
+        click.echo(f"{r['environment']:<28} {r['instances']:>9} {_human(r['image_bytes']):>10} {r['layers']:>6} "
                    f"{_human(r['instance_bytes']):>10}  {r['base']}")
-    total = sum(r["sif_bytes"] + r["instance_bytes"] for r in rows)
-    click.echo(f"{len(rows)} environments, {len(index.instances)} instances, {_human(total)}")
+    images = len({r["image"] for r in rows})
+    click.echo(f"{len(rows)} environments ({images} images), {len(index.instances)} instances, "
+               f"{_human(sum(index.file_sizes().values()))}")
 
 
 @main.command()
@@ -341,7 +348,8 @@ def _layers(store: Path, instance: str | None, env_name: str | None):
         env = st.index.environments.get(env_name)
         if env is None:
             raise click.BadParameter(f"no environment {env_name!r} in {store}", param_hint="--env")
-        return InstanceLayers(st.root / env.sif, (), env.env, "/", (env.sha256,)), f"environment {env_name}"
+        files = tuple(st.root / f for f in env.files)
+        return InstanceLayers(files[0], files[1:], env.env, "/", env.digests), f"environment {env_name}"
     r = st.resolve(instance)
     return InstanceLayers(r.env_sif, r.overlays, r.env, r.workdir, r.digests), f"instance {r.id}"
 
@@ -588,22 +596,26 @@ predictions_option = click.option("--predictions", type=click.Path(exists=True, 
               "beside it (results.summary.json).")
 @click.option("--shard", metavar="K/N", help="Grade the K-th of N slices (K from 0), whole instances at a time; "
               "`image-builder results merge` joins the slices' files.")
+@click.option("--overwrite", is_flag=True, help="Grade afresh: remove OUTPUT (its summary and artifacts) first, "
+              "instead of resuming it.")
 @_with(grading_options)
 @_with(grade_run_options)
 @_one_line_errors
-def grade(store, tasks, predictions, output, shard, jobs, timeout, memory, strict, access, backend, compare,
-          instance, net):
+def grade(store, tasks, predictions, output, shard, overwrite, jobs, timeout, memory, strict, access, backend,
+          compare, instance, net):
     """Grade PREDICTIONS against TASKS, each in its instance of STORE."""
     from dataclasses import replace
     from image_builder.graders import load_predictions, load_tasks
-    from image_builder.graders.grading import (StoreExecutors, grade_to_file, read_results, shard_predictions,
-                                               write_summary)
+    from image_builder.graders.grading import (StoreExecutors, discard_results, grade_to_file, read_results,
+                                               resumable, shard_predictions, write_summary)
     from image_builder.runtime.session import Backend
     from image_builder.store.store import Store
     task_list, preds = load_tasks(tasks), load_predictions(predictions)
     if shard:
         preds = shard_predictions(preds, task_list, _parse_shard(shard))
-    already = len({r.task_id for r in read_results(output)} & {p.task_id for p in preds})
+    if overwrite:
+        discard_results(output)
+    already = len(resumable(output, preds))  # refuses a file of other predictions before saying anything
     if already:
         click.echo(f"resuming: {already} of {len(preds)} results already in {output}", err=True)
     opened = Store.open(store)
@@ -734,6 +746,73 @@ def index_merge(store):
     path, count = merge_fragments(store)
     click.echo(f"merged {count} fragments into {path}")
 
+
+@main.group(name="base")
+def base_group():
+    """Make base images locally, for sites without a registry."""
+
+
+@base_group.command(name="debian")
+@click.argument("suite")
+@click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="OCI layout directory to add the image to (made if missing).")
+@click.option("--tag", help="Its tag in the layout (default: SUITE).")
+@click.option("--include", default="python3,python3-venv,git,ca-certificates", show_default=True,
+              help="Comma-separated Debian packages.")
+@click.option("--mirror", help="Debian mirror URL (default: debootstrap's).")
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Where the debootstrap trees are kept (default: the blob cache's directory).")
+@_one_line_errors
+def base_debian(suite, output, tag, include, mirror, cache_dir):
+    """Debootstrap a Debian SUITE (minbase, as root; about a minute, once) into an OCI layout; prints the
+    reference a catalog's `base:` or `--base ALIAS=` takes."""
+    from image_builder.oci.cache import default_cache_dir
+    from image_builder.oci.debian import debian_base
+    packages = tuple(p for p in include.split(",") if p)
+    ref = debian_base(suite, output, cache_dir or default_cache_dir() / "bases", packages, tag, mirror)
+    click.echo(ref)
+
+
+@main.group(name="swebench")
+def swebench_group():
+    """SWE-bench-format datasets (Lite, Verified, SWE-Gym, ImpossibleBench's SWE variants)."""
+
+
+@swebench_group.command(name="catalog")
+@click.argument("dataset", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--repos", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Directory of the repositories: NAME.bundle, OWNER__NAME.bundle or a clone NAME/.")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="The catalog to write; its bundles go beside it in OUTPUT's stem + .d/.")
+@click.option("--python", "pythons", multiple=True, metavar="X.Y=REF",
+              help="Base image for the specs' Python X.Y (repeatable).")
+@click.option("--python-default", default="docker.io/library/python:{python}-slim", show_default=True,
+              help="Base image for a Python without --python ('' to leave those instances out).")
+@click.option("--apt", default="git", show_default=True, help="Debian packages every Python layer gets.")
+@click.option("--pip", "pip_version", default="pip==24.0", show_default=True,
+              help="pip requirement installed first in every venv.")
+@click.option("--exclude-tags", multiple=True, metavar="GLOB",
+              help="Tags of the repositories not to copy (a mirror's own, like ib/*): setuptools_scm takes the "
+              "nearest tag for the version and fails on one that is not a version.")
+@_one_line_errors
+def swebench_catalog(dataset, repos, output, pythons, python_default, apt, pip_version, exclude_tags):
+    """Write a catalog building DATASET from the swebench package's specs: one environment per repository and
+    version, layered over one per Python, and one thin instance per task."""
+    from image_builder.build.swebench_catalog import CatalogOptions, generate
+    mapping = {}
+    for v in pythons:
+        version, sep, ref = v.partition("=")
+        if not sep or not version or not ref:
+            raise click.BadParameter(f"{v!r}: expected X.Y=REFERENCE", param_hint="--python")
+        mapping[version] = ref
+    result = generate(CatalogOptions(dataset, repos, output, mapping, python_default, apt, pip_version,
+                                     tuple(exclude_tags)))
+    for line in result.skipped:
+        click.echo(f"left out: {line}", err=True)
+    for line in result.notes:
+        click.echo(f"note: {line}", err=True)
+    click.echo(f"{result.catalog}: {result.environments} repository environments, {result.instances} instances "
+               f"({len(result.skipped)} left out); build it with image-builder build {result.catalog} --store STORE")
 
 
 @main.group(name="slurm")

@@ -12,10 +12,11 @@ from pathlib import Path
 import bcrypt
 import pytest
 
-from image_builder.devtools.bases import debian_rootfs
-from image_builder.devtools.localregistry import (CertPair, LocalRegistry, push_image, rootfs_layer,
+from image_builder.devtools.localregistry import (CertPair, LocalRegistry, push_image,
                                                   self_signed_cert as self_signed, start_registry)
 from image_builder.oci.cache import BlobCache
+from image_builder.oci.debian import debian_rootfs
+from image_builder.oci.layout import rootfs_layer
 from image_builder.oci.registry import RegistryOptions
 from image_builder.store.store import remove_tree
 from tests.support import oci

@@ -15,14 +15,24 @@ import pytest
 import yaml
 
 from image_builder.build.catalog import CatalogError, load
-from image_builder.build.envbuild import BuildFailed, BuildOptions, LABEL_PREFIX, build_environment
+from image_builder.build.envbuild import BuildFailed, BuildOptions, LABEL_PREFIX, build_environment, plan_environment
 from image_builder.oci.cache import BlobCache
 from image_builder.oci.registry import RegistryOptions
 from image_builder.pack.sif import read_sif
+from image_builder.store.store import Store
 from tests.conftest import run_cli
 from tests.support.terminal import read_pty
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def build_env(spec, opts):
+    return build_environment(plan_environment(spec, opts), opts)
+
+
+def built_image(store: Path, environment: str) -> Path:
+    """Where a store build put an environment's image (named by its build key)."""
+    return store / Store.open(store).index.environments[environment].sif
 
 
 def write_catalog(tmp: Path, environments: list[dict], scripts: dict[str, str], instances=()) -> Path:
@@ -72,8 +82,8 @@ def tiny_catalog(tmp_path, tiny_base):
 def test_build_packs_a_sif_siftool_reads(tmp_path, tiny_catalog, registries, monkeypatch):
     monkeypatch.setenv("PIP_FIND_LINKS", "/host/only")  # the host's environment must not leak in
     spec = load(tiny_catalog).environments["tiny"]
-    result = build_environment(spec, options(tmp_path, registries.tls.cert))
-    assert result.built and result.sif == tmp_path / "store/envs/tiny.sif"
+    result = build_env(spec, options(tmp_path, registries.tls.cert))
+    assert result.built and result.sif == tmp_path / f"store/envs/{result.build_key[7:39]}.sif"
     listing = subprocess.run(["siftool", "list", str(result.sif)], capture_output=True, text=True, check=True).stdout
     assert "Squashfs/*System/amd64" in listing and "Def.FILE" in listing
     labels = read_sif(result.sif).labels()
@@ -94,14 +104,14 @@ def test_build_packs_a_sif_siftool_reads(tmp_path, tiny_catalog, registries, mon
 def test_unchanged_environment_is_not_rebuilt(tmp_path, tiny_catalog, registries):
     spec = load(tiny_catalog).environments["tiny"]
     opts = options(tmp_path, registries.tls.cert)
-    first = build_environment(spec, opts)
+    first = build_env(spec, opts)
     stamp = first.sif.stat().st_mtime_ns
-    again = build_environment(spec, opts)
+    again = build_env(spec, opts)
     assert not again.built and again.build_key == first.build_key
     assert first.sif.stat().st_mtime_ns == stamp
     changed = load(tiny_catalog).environments["tiny"]
     changed = type(changed)(**{**changed.__dict__, "env": {"GREETING": "bonjour"}})
-    third = build_environment(changed, opts)
+    third = build_env(changed, opts)
     assert third.built and third.build_key != first.build_key
     assert sif_files(third.sif, tmp_path, "etc/built-by")["etc/built-by"] == "greeting=bonjour\n"
 
@@ -112,19 +122,19 @@ def test_reproducible_with_source_date_epoch(tmp_path, tiny_catalog, registries,
     script = tmp_path / "scripts/make.sh"
     script.write_text("#!/bin/sh\necho fixed > /etc/built-by\n")
     spec = load(tiny_catalog).environments["tiny"]
-    a = build_environment(spec, options(tmp_path / "a", registries.tls.cert)).sif.read_bytes()
+    a = build_env(spec, options(tmp_path / "a", registries.tls.cert)).sif.read_bytes()
     time.sleep(1.1)  # a build that stamped the clock would now differ
-    b = build_environment(spec, options(tmp_path / "b", registries.tls.cert)).sif.read_bytes()
+    b = build_env(spec, options(tmp_path / "b", registries.tls.cert)).sif.read_bytes()
     assert a == b
 
 
 def test_failed_script_reports_and_keeps_the_old_image(tmp_path, tiny_catalog, registries):
     opts = options(tmp_path, registries.tls.cert)
-    good = build_environment(load(tiny_catalog).environments["tiny"], opts)
+    good = build_env(load(tiny_catalog).environments["tiny"], opts)
     before = good.sif.read_bytes()
     (tmp_path / "scripts/make.sh").write_text("#!/bin/sh\necho line-before-failure\nexit 3\n")
     with pytest.raises(BuildFailed) as err:
-        build_environment(load(tiny_catalog).environments["tiny"], opts)
+        build_env(load(tiny_catalog).environments["tiny"], opts)
     msg = str(err.value)
     assert "script make.sh exited 3" in msg and "image-builder debug tiny" in msg and "\n" not in msg
     assert "line-before-failure" in err.value.tail
@@ -147,7 +157,7 @@ def test_script_timeout_kills_everything(tmp_path, tiny_base, registries):
     cat = write_catalog(tmp_path, [{"name": "slow", "base": tiny_base, "scripts": ["slow.sh"], "timeout": 1}],
                         {"slow.sh": "#!/bin/sh\n(sleep 97 &)\nsleep 98\n"})
     with pytest.raises(BuildFailed, match="script slow.sh timed out after 1 s"):
-        build_environment(load(cat).environments["slow"], options(tmp_path, registries.tls.cert))
+        build_env(load(cat).environments["slow"], options(tmp_path, registries.tls.cert))
     time.sleep(0.2)
     left = subprocess.run(["pgrep", "-f", "sleep 9[78]"], capture_output=True, text=True).stdout
     assert left == "", "the timeout must kill double-forked children too"
@@ -158,7 +168,7 @@ def test_debug_opens_a_shell_in_the_failed_tree(tmp_path, tiny_base, registries)
                                     "env": {"MARK": "from-the-build"}}],
                         {"b.sh": "#!/bin/sh\necho partial > /etc/partial\nexit 1\n"})
     with pytest.raises(BuildFailed):
-        build_environment(load(cat).environments["broken"], options(tmp_path, registries.tls.cert))
+        build_env(load(cat).environments["broken"], options(tmp_path, registries.tls.cert))
     out = drive_pty([str(ROOT / ".venv/bin/image-builder"), "debug", "broken", "--store", str(tmp_path / "store")],
                     b"cat /etc/partial; echo mark=$MARK; exit\n")
     assert "partial" in out and "mark=from-the-build" in out
@@ -196,12 +206,12 @@ def test_full_disk_while_packing_keeps_earlier_images(tmp_path, tiny_base, regis
             {"small.sh": "true\n", "huge.sh": "head -c 5000000 /dev/urandom > /big\n"})
         opts = BuildOptions(store=store, cache=BlobCache(tmp_path / "cache"),
                             registry=RegistryOptions(ca_cert=registries.tls.cert))
-        small = build_environment(load(cat).environments["small"], opts)
+        small = build_env(load(cat).environments["small"], opts)
         before = small.sif.read_bytes()
         with pytest.raises(BuildFailed, match="environment huge: .*No space left"):
-            build_environment(load(cat).environments["huge"], opts)
+            build_env(load(cat).environments["huge"], opts)
         assert small.sif.read_bytes() == before
-        assert sorted(p.name for p in (store / "envs").iterdir()) == ["small.sif"], "no half-written image left"
+        assert sorted(p.name for p in (store / "envs").iterdir()) == [small.sif.name], "no half-written image left"
     finally:
         subprocess.run(["umount", "-l", str(store)], check=True)
 
@@ -266,7 +276,7 @@ def venv_catalog(tmp: Path, base: str, backend_name: str) -> Path:
 
 def test_venv_with_a_wheel_from_the_build_context(tmp_path, debian_base, registries):
     cat = venv_catalog(tmp_path, debian_base, "root")
-    result = build_environment(load(cat).environments["venv-root"], options(tmp_path, registries.tls.cert))
+    result = build_env(load(cat).environments["venv-root"], options(tmp_path, registries.tls.cert))
     image = read_sif(result.sif)
     mnt = tmp_path / "mnt"
     mnt.mkdir()
@@ -303,7 +313,7 @@ def test_rootless_userns_build_with_apt_and_venv(public_dir, debian_base, public
         p.chmod(0o777 if p.is_dir() else 0o666)
     r = unprivileged_build(work, cat, public_ca, "userns")
     assert r.returncode == 0, r.stdout + r.stderr
-    sif = work / "store/envs/venv-userns.sif"
+    sif = built_image(work / "store", "venv-userns")
     assert sif.stat().st_uid == 65534
     files = sif_files(sif, work, "opt/venv/lib/python3.11/site-packages/hello/__init__.py")
     assert files["opt/venv/lib/python3.11/site-packages/hello/__init__.py"] == "VALUE = 42\n"
@@ -322,7 +332,7 @@ def test_rootless_proot_build(public_dir, tiny_base, public_ca):
         p.chmod(0o777 if p.is_dir() else 0o666)
     r = unprivileged_build(work, cat, public_ca, "proot")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert sif_files(work / "store/envs/p.sif", work, "etc/uid-inside")["etc/uid-inside"] == "0\n"
+    assert sif_files(built_image(work / "store", "p"), work, "etc/uid-inside")["etc/uid-inside"] == "0\n"
 
 
 ATTACK = r"""#!/bin/sh
@@ -368,7 +378,7 @@ def test_a_root_build_cannot_reach_the_host(tmp_path, debian_base, registries):
         cat = write_catalog(tmp_path, [{"name": "attack", "base": debian_base, "scripts": ["attack.sh"],
                                         "env": {"CANARY": str(canary)}}], {"attack.sh": ATTACK})
         try:
-            build_environment(load(cat).environments["attack"], options(tmp_path, registries.tls.cert))
+            build_env(load(cat).environments["attack"], options(tmp_path, registries.tls.cert))
         except BuildFailed:
             pass  # the tree is gone: packing it may fail; what matters is the host
         log = (tmp_path / "store/logs/envs/attack/01-attack.sh.log").read_text()

@@ -289,3 +289,13 @@ def test_django_records_run_django_s_runner_on_module_names():
     assert directives_for(task.repo, ["tests/model_fields/test_jsonfield.py", "docs/ref.txt"]) == [
         "model_fields.test_jsonfield"]
     assert directives_for("pallets/flask", ["tests/test_basic.py"]) == ["tests/test_basic.py"]
+
+
+def test_path_options_shorten_as_swebench_s_pytest_options_parser():
+    """pylint's ids in SWE-bench: parametrize options that are absolute paths keep their last part only."""
+    from image_builder.graders.testlogs import shorten_path_option
+    long = "tests/test_self.py::TestRunTC::test_stdin[/testbed/tests/mymodule.py-mymodule-/testbed/tests/mymodule.py]"
+    assert shorten_path_option(long) == "tests/test_self.py::TestRunTC::test_stdin[/mymodule.py]"
+    for kept in ("t.py::test[mymodule.py-mymodule-mymodule.py]", "t.py::test[//share/x]", "t.py::test[/a/*]",
+                 "t.py::test_plain"):
+        assert shorten_path_option(kept) == kept

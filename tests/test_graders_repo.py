@@ -299,6 +299,23 @@ def test_a_skipped_fail_to_pass_test_reads_as_swebench_reads_it(tasks, host, opt
     assert result.status is TaskStatus.FAILED and "SWE-bench's parser finds no status" in result.reason
 
 
+def test_entries_that_name_no_test_read_as_swebench_reads_them(tasks, host, options, tmp_path):
+    """pytest-5227's PASS_TO_PASS holds "[100%]": SWE-bench's parser took it from a captured `PASSED [100%]`
+    line of the tests' own output and counts it passed when such a line is there; without one, missing."""
+    task = tasks[ID]
+    repo = marshmallow_checkout(tmp_path, task.base_commit)
+    printing = "tests/test_prints.py::test_prints"
+    test_patch = diff_after(repo, [], lambda r: write_file(r, "tests/test_prints.py",
+                                                       "def test_prints():\n    print('PASSED [100%]')\n"))
+    junk = replace(task, test_patch=test_patch, fail_to_pass=(printing,), pass_to_pass=("[100%]",))
+    result = grade(junk, "", host, options)  # -rA shows a passed test's captured output
+    assert result.repo.fail_to_pass == {printing: "PASSED"}
+    assert result.repo.pass_to_pass == {"[100%]": "PASSED"} and result.status is TaskStatus.PASSED, result.reason
+    assert "swebench-log" in result.repo.crosscheck
+    missing = grade(replace(junk, pass_to_pass=("[50%]",)), "", host, options)
+    assert missing.repo.pass_to_pass == {"[50%]": "MISSING"} and missing.status is TaskStatus.FAILED
+
+
 def test_the_record_s_test_cmd_wins_then_the_instance_s(tasks):
     from image_builder.graders.swebench import resolve_test_command as test_command
 

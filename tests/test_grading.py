@@ -54,8 +54,12 @@ def test_wrong_solutions_score_zero_and_resume(mbpp_store, tmp_path):
     other = grade(mbpp_store, DATA / "mbpp_train_40.parquet", DATA / "mbpp_train_40_solutions.jsonl", out)
     assert other.returncode != 0 and "Traceback" not in other.stderr
     assert other.stderr.strip().splitlines()[-1].startswith(f"Error: {out} holds a result for ") and \
-        "graded from another solution" in other.stderr
+        "graded from another solution" in other.stderr and "resuming" not in other.stderr
     assert out.read_text() == before
+    fresh = grade(mbpp_store, DATA / "mbpp_train_40.parquet", DATA / "mbpp_train_40_solutions.jsonl", out,
+                  "--overwrite")
+    assert fresh.returncode == 0 and "resuming" not in fresh.stderr, fresh.stderr
+    assert all(x["score"] == 1.0 for x in results(out).values()), "graded afresh from the new predictions"
 
 
 def test_impossible_variants_fail_and_qc_keeps_them(mbpp_store, tmp_path):

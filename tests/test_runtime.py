@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from image_builder.devtools.bases import debian_rootfs
+from image_builder.oci.debian import debian_rootfs
 from image_builder.pack.sif import write_sif
 from image_builder.pack.squashfs import SquashOptions, pack
 from image_builder.runtime.apptainer import apptainer_command

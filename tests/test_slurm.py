@@ -45,7 +45,8 @@ def eight_instances(tmp: Path, base: str, script: str | None = None, **kw) -> Pa
     """8 instances of one environment, and an environment no instance uses (a full build has it too)."""
     path = catalog(tmp, base, n=8, **kw)
     doc = yaml.safe_load(path.read_text())
-    doc["environments"].append({"name": "spare", "base": base, "scripts": ["env.sh"]})
+    # Its own build key (a variable of its own): an environment equal to tiny would share tiny's image.
+    doc["environments"].append({"name": "spare", "base": base, "scripts": ["env.sh"], "env": {"SPARE": "1"}})
     if script:  # task-5, in shard 1 of 4, runs this one
         doc["instances"][5]["script"] = script
     path.write_text(yaml.safe_dump(doc))

@@ -98,7 +98,8 @@ def test_store_build_instances_index_and_stacking(tmp_path, tiny_base, registrie
     assert "etc/keep" not in listing, "nothing the instance did not change"
 
     resolved = Store.open(tmp_path / "store").resolve("task-1")
-    assert resolved.layers == (tmp_path / "store/envs/tiny.sif", tmp_path / "store/instances/task-1.sqfs")
+    assert resolved.layers == (tmp_path / "store" / env.sif, tmp_path / "store/instances/task-1.sqfs")
+    assert env.sif == f"envs/{env.build_key[7:39]}.sif", "environments are stored by build key"
     stack = Stack(tmp_path, resolved.env_sif, resolved.overlays)
     try:
         m = stack.merged
@@ -108,6 +109,77 @@ def test_store_build_instances_index_and_stacking(tmp_path, tiny_base, registrie
         assert (m / "etc/keep/file").read_text() == "e\n"
     finally:
         stack.close()
+
+
+LAYERED_SCRIPTS = {
+    "env.sh": ENV_SCRIPT,
+    "tool-a.sh": "#!/bin/sh\nset -e\necho a > /etc/tool\nrm /etc/from-env\n"
+                 "rm -rf /etc/opaque && mkdir /etc/opaque && echo a > /etc/opaque/a\n",
+    "tool-b.sh": "#!/bin/sh\nset -e\necho b > /etc/tool\n",
+    "inst.sh": "#!/bin/sh\nset -e\necho \"$TASK\" > /etc/task\n",
+}
+
+
+def layered_catalog(tmp: Path, base: str) -> Path:
+    envs = [{"name": "py", "base": base, "scripts": ["env.sh"]},
+            {"name": "py-copy", "base": base, "scripts": ["env.sh"]},  # the same build key as py
+            {"name": "tool-a", "from": "py", "scripts": ["tool-a.sh"], "env": {"TOOL": "a"}},
+            {"name": "tool-b", "from": "py-copy", "scripts": ["tool-b.sh"]}]
+    insts = [{"id": f"a-{i}", "environment": "tool-a", "script": "inst.sh", "env": {"TASK": f"a {i}"}}
+             for i in range(2)] + [{"id": "b-0", "environment": "tool-b", "script": "inst.sh", "env": {"TASK": "b"}}]
+    return write_catalog(tmp, envs, LAYERED_SCRIPTS, insts)
+
+
+def test_environments_share_images_by_key_and_layer_from_others(tmp_path, tiny_base, registries):
+    from image_builder.runtime.backends import open_session
+    from image_builder.runtime.execution import RunRequest
+    from image_builder.runtime.session import InstanceLayers
+
+    path = layered_catalog(tmp_path, tiny_base)
+    r = run_cli("build", str(path), "--store", str(tmp_path / "store"), "--cache-dir", str(tmp_path / "cache"),
+                "--ca-cert", str(registries.tls.cert))
+    assert r.returncode == 0, r.stderr
+    assert "py-copy: same environment as py (one image)" in r.stdout
+    doc = json.loads((tmp_path / "store/index.json").read_text())
+    jsonschema.validate(doc, SCHEMA)
+    index = read_index(tmp_path / "store")
+    envs = index.environments
+    assert envs["py"].sif == envs["py-copy"].sif and envs["py"].build_key == envs["py-copy"].build_key
+    assert envs["tool-a"].sif == envs["py"].sif and len(envs["tool-a"].overlays) == 1
+    assert envs["tool-a"].overlays[0].file.endswith(".sqfs") and envs["tool-a"].env["TOOL"] == "a"
+    files = sorted(p.name for p in (tmp_path / "store/envs").iterdir() if p.suffix in (".sif", ".sqfs"))
+    assert len(files) == 3 and sum(f.endswith(".sif") for f in files) == 1, "one base image, two overlays"
+    layer = tmp_path / "store" / envs["tool-a"].overlays[0].file
+    assert layer.stat().st_size < envs["py"].size / 5, "an environment over another stores only what it adds"
+    assert "etc/keep" not in lls(layer)
+
+    resolved = Store.open(tmp_path / "store").resolve("a-1")
+    assert resolved.layers == (tmp_path / "store" / envs["py"].sif, layer, tmp_path / "store/instances/a-1.sqfs")
+    assert len(resolved.digests) == 3
+    stack = Stack(tmp_path, resolved.env_sif, resolved.overlays)  # what `apptainer --overlay` per layer stacks
+    try:
+        m = stack.merged
+        assert (m / "etc/tool").read_text() == "a\n" and (m / "etc/task").read_text() == "a 1\n"
+        assert not (m / "etc/from-env").exists() and sorted(os.listdir(m / "etc/opaque")) == ["a"]
+        assert (m / "etc/keep/file").read_text() == "e\n"
+    finally:
+        stack.close()
+    layers = InstanceLayers(resolved.env_sif, resolved.overlays, resolved.env, resolved.workdir, resolved.digests)
+    with open_session(layers, state_dir=tmp_path / "state") as session:  # the real runtime, layers checked
+        out = session.run(RunRequest(("sh", "-c", "cat /etc/tool /etc/task; echo $TOOL; ls /etc/opaque"), timeout=30))
+    assert out.exit_code == 0 and out.stdout == b"a\na 1\na\na\n", out
+
+    again = build_store(load(path), opts(tmp_path, registries.tls.cert))
+    assert {r.status for r in again.results} == {"up to date"}
+    assert Store.open(tmp_path / "store").resolve("b-0").layers[0] == resolved.env_sif
+    # A changed parent changes its children's keys: they are rebuilt over the new parent.
+    (tmp_path / "scripts/env.sh").write_text(ENV_SCRIPT + "echo v2 > /etc/version\n")
+    changed = build_store(load(path), opts(tmp_path, registries.tls.cert))
+    status = {(r.name): r.status for r in changed.results}
+    assert sorted([status["py"], status["py-copy"]]) == ["built", "up to date"], "one build for the shared key"
+    assert status["tool-a"] == status["tool-b"] == status["a-0"] == "built", status
+    run_cli("gc", "--store", str(tmp_path / "store"))
+    assert len([p for p in (tmp_path / "store/envs").iterdir() if p.suffix in (".sif", ".sqfs")]) == 3
 
 
 def test_noop_rebuild_packs_nothing(tmp_path, tiny_base, registries):
@@ -190,14 +262,15 @@ def test_two_concurrent_builds_of_one_store(tmp_path, tiny_base, registries):
 def test_verify_finds_corruption_and_build_repairs_it(tmp_path, tiny_base, registries):
     path = catalog(tmp_path, tiny_base, n=1)
     build_store(load(path), opts(tmp_path, registries.tls.cert))
-    sif = tmp_path / "store/envs/tiny.sif"
+    rel = read_index(tmp_path / "store").environments["tiny"].sif
+    sif = tmp_path / "store" / rel
     with open(sif, "r+b") as f:
         f.seek(sif.stat().st_size - 100)
         f.write(b"corrupted!")
     (tmp_path / "store/instances/stray.sqfs").write_bytes(b"x")
     r = run_cli("verify", "--store", str(tmp_path / "store"))
     assert r.returncode == 1
-    assert "corrupt: envs/tiny.sif" in r.stdout and "orphaned: instances/stray.sqfs" in r.stdout
+    assert f"corrupt: {rel}" in r.stdout and "orphaned: instances/stray.sqfs" in r.stdout
     summary = build_store(load(path), opts(tmp_path, registries.tls.cert))
     assert [r.status for r in summary.results if r.kind == "environment"] == ["built"]
     g = run_cli("gc", "--store", str(tmp_path / "store"))

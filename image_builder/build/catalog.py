@@ -4,7 +4,10 @@
       py311: docker.io/library/python:3.11-slim-bookworm
     environments:
       - name: mbpp-py311
-        base: py311             # an alias or an image reference
+        base: py311             # an alias, an image reference, https://...#sha256=, or oci:DIR[:TAG],
+                                # oci-archive:FILE, docker-archive:FILE, tar:FILE, dir:DIR (oci/local.py)
+      - name: mbpp-tools
+        from: mbpp-py311        # built on an environment declared above: stored as an overlay over it
         scripts: [python-venv.sh]          # from env_scripts/, run in order
         env: {PYTHON_PACKAGES: "pytest"}  # given to the scripts
         context: contexts/mbpp  # optional, read-only at /build in the sandbox
@@ -34,6 +37,7 @@ from typing import Any
 import yaml
 
 from image_builder.errors import ImageBuilderError
+from image_builder.oci.local import LocalImageError, is_local, resolve_path, split
 from image_builder.oci.reference import ReferenceError, parse as parse_reference
 from image_builder.store.ids import id_problem, shown_id
 
@@ -60,12 +64,13 @@ class Where:
 @dataclass(frozen=True)
 class EnvironmentSpec:
     name: str
-    base: str  # an image reference or an https rootfs tarball URL
+    base: str  # an image reference or an https rootfs tarball URL (a child's: its parent's base)
     scripts: tuple[Path, ...]
     env: dict[str, str]
     context: Path | None
     timeout: float  # seconds per script
     where: Where
+    parent: str | None = None  # `from:`: the environment this one is built on
 
 
 @dataclass(frozen=True)
@@ -262,13 +267,26 @@ def load(path: Path | str, *, scripts_dir: Path | None = None, bases: dict[str, 
         raise c.fail(top, "environments", "environments must be a non-empty list")
     for i, node in enumerate(envs):
         where = f"environments[{i}]"
-        c.mapping(node, where, {"name", "base", "scripts", "env", "context", "timeout"}, {"name", "base", "scripts"})
+        c.mapping(node, where, {"name", "base", "from", "scripts", "env", "context", "timeout"}, {"name", "scripts"})
         name = c.ident(node, "name", where)
         if name in environments:
             raise c.fail(node, "name", f"{where}: duplicate environment name {name!r} "
                                        f"(first at line {environments[name].where.line})")
-        base = aliases.get(c.string(node, "base", where), node["base"])
-        if not base.startswith("https://"):
+        if ("base" in node) == ("from" in node):
+            raise c.fail(node, "name", f"{where}: give either base (an image) or from (an environment above)")
+        parent = c.string(node, "from", where) if "from" in node else None
+        if parent is not None and parent not in environments:  # declared above: no cycles, builds in order
+            raise c.fail(node, "from", f"{where}.from: no environment {parent!r} above this one "
+                                       f"(declared: {', '.join(environments) or 'none'})")
+        base = environments[parent].base if parent else aliases.get(c.string(node, "base", where), node["base"])
+        if not parent and is_local(base):  # a path relative to the catalog
+            try:
+                base = resolve_path(base, path.parent)
+                if not split(base)[1].exists():
+                    raise ReferenceError(f"{base}: no such file or directory")
+            except (ReferenceError, LocalImageError) as e:
+                raise c.fail(node, "base", f"{where}.base: {e}") from e
+        elif not parent and not base.startswith("https://"):
             try:
                 parse_reference(base)
             except ReferenceError as e:
@@ -280,7 +298,7 @@ def load(path: Path | str, *, scripts_dir: Path | None = None, bases: dict[str, 
             raise c.fail(node, "scripts", f"{where}.scripts must be a non-empty list of script names")
         environments[name] = EnvironmentSpec(
             name, base, tuple(c.script(scripts_dir, node, "scripts", s, where) for s in scripts),
-            c.env(node, where), c.context(path, node, where), c.timeout(node, where), Where(path, node.line))
+            c.env(node, where), c.context(path, node, where), c.timeout(node, where), Where(path, node.line), parent)
 
     instances: dict[str, InstanceSpec] = {}
     for key in ("instances", "instance_sets"):
@@ -366,7 +384,8 @@ def _instance_set(c: _Checker, path: Path, scripts_dir: Path, node: Any, where: 
     from image_builder.errors import ImageBuilderError as _Err
     from .datasets import drafts, fill
     c.mapping(node, where, {"from", "environment", "script", "env", "context", "workdir", "test_command",
-                            "timeout", "only"}, {"from", "environment"})
+                            "timeout", "only", "grader"}, {"from", "environment"})
+    extra_grader = c.grader(node, where)  # added to each task's (e.g. the repository's log parser)
     source = (path.parent / c.string(node, "from", where)).resolve()
     try:
         found, bad = drafts(source)
@@ -378,7 +397,10 @@ def _instance_set(c: _Checker, path: Path, scripts_dir: Path, node: Any, where: 
         raise c.fail(node, "from", f"{where}.from: {len(bad)} tasks of {source} cannot be instances; first, "
                                    f"{bad[0]}")
     script = c.script(scripts_dir, node, "script", node["script"], where) if node.get("script") else None
-    context = c.context(path, node, where)
+    # A context may be a template, one directory per task ("instances/{instance_file}"): each instance's
+    # build key then covers its own files only.
+    per_task = "{" in (c.string(node, "context", where) if node.get("context") is not None else "")
+    context = None if per_task else c.context(path, node, where)
     workdir = c.workdir(node, where)
     env_template, env_vars = c.string(node, "environment", where), c.env(node, where)
     if node.get("test_command") is not None and not isinstance(node["test_command"], str):
@@ -389,8 +411,16 @@ def _instance_set(c: _Checker, path: Path, scripts_dir: Path, node: Any, where: 
             env_name = fill(env_template, d.fields)
             env = {k: fill(v, d.fields) for k, v in env_vars.items()}
             test_command = fill(node["test_command"], d.fields) if node.get("test_command") else None
+            task_context = (path.parent / fill(node["context"], d.fields)).resolve() if per_task else context
         except (KeyError, ValueError) as e:
             raise c.fail(node, "environment", f"{where}: {e.args[0]}") from None
+        if per_task:  # the dataset's fields choose a directory under the template's fixed part, never above it
+            fixed = (path.parent / node["context"].partition("{")[0]).resolve()
+            if not task_context.is_relative_to(fixed) or task_context == fixed:
+                raise c.fail(node, "context", f"{where}.context: task {d.id} names {task_context}, outside {fixed}; "
+                                              "fix the task's fields in the dataset")
+            if not task_context.is_dir():
+                raise c.fail(node, "context", f"{where}.context: no directory {task_context} for task {d.id}")
         if any("\0" in v for v in (env_name, test_command or "", *env.values())):
             raise c.fail(node, "env", f"{where}: task {d.id} puts a NUL character in its templates; "
                                       "fix the task in the dataset")
@@ -398,5 +428,7 @@ def _instance_set(c: _Checker, path: Path, scripts_dir: Path, node: Any, where: 
             raise c.fail(node, "environment", f"{where}: task {d.id} needs environment {env_name!r}, "
                                               f"which the catalog does not declare")
         specs.append(InstanceSpec(d.id, env_name, script, env, dict(d.files), workdir,
-                                  test_command, d.grader, c.timeout(node, where), Where(path, node.line), context))
+                                  test_command, {**d.grader, **extra_grader}, c.timeout(node, where),
+                                  Where(path, node.line),
+                                  task_context))
     return specs

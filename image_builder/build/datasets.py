@@ -2,8 +2,9 @@
 
 A catalog's `instance_sets` entry names a dataset file and how its tasks map
 to instances; string values may use `{field}` templates over the task
-(`{instance_id}`, `{repo}`, `{repo_name}`, `{base_commit}`, `{version}`,
-`{task_id}`). ImpossibleBench variants share the instance of the task they
+(`{instance_id}`, `{repo}`, `{repo_name}`, `{repo_slug}` (owner__name),
+`{base_commit}`, `{version}`, `{task_id}`, `{instance_file}`: the id as the
+store names files). ImpossibleBench variants share the instance of the task they
 were made from (same repository state; their tests differ only at grading).
 """
 
@@ -13,7 +14,7 @@ import string
 from dataclasses import dataclass
 from pathlib import Path
 
-from image_builder.store.ids import id_problem, shown_id
+from image_builder.store.ids import file_name, id_problem, shown_id
 from image_builder.tasks import AssertTask, BadTask, RepoTask, StdioTask, load_tasks_with_rows
 
 
@@ -28,7 +29,8 @@ class InstanceDraft:
 
 def _repo_draft(task: RepoTask) -> InstanceDraft:
     fields = {"instance_id": task.original_id, "repo": task.repo, "repo_name": task.repo.rsplit("/", 1)[-1],
-              "base_commit": task.base_commit, "version": task.version, "task_id": task.original_id}
+              "repo_slug": task.repo.replace("/", "__"), "base_commit": task.base_commit, "version": task.version,
+              "task_id": task.original_id, "instance_file": file_name(task.original_id)}
     grader = {"kind": "swebench", "repo": task.repo, "base_commit": task.base_commit, "version": task.version,
               "test_cmd": task.test_cmd, "FAIL_TO_PASS": list(task.fail_to_pass),
               "PASS_TO_PASS": list(task.pass_to_pass)}

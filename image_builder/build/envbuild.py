@@ -1,13 +1,19 @@
-"""Environment builds: base image + environment scripts -> one `.sif`.
+"""Environment builds: base image + environment scripts -> one `.sif`, or over
+another environment (`from:`) -> one `.sqfs` overlay of what the scripts added.
 
 pull the base -> flatten it into a work tree -> run each script in the sandbox
 -> write Apptainer's environment files -> pack the SIF (write, verify, rename).
+A `from:` environment mounts its parent's layers read-only under an upper
+directory instead, and packs the upper: N environments on one Python base
+store that base once.
 
-An environment is rebuilt only when its build key changes: a hash of the base
-manifest digest, the scripts' contents, the variables, the build context and
-the builder version. The key is stored in the SIF's labels, so the image
-describes itself and no other state is needed. A failed build keeps its root
-filesystem under `failed/` for `image-builder debug`.
+An environment is addressed by its build key: a hash of the base manifest
+digest (or the parent's key), the scripts' contents, the variables, the build
+context and the builder version. The key names the file (envs/<key>.sif), so
+two environments that would build the same image share one, and an image is
+rebuilt only when its key changes. The key is also in the SIF's labels (an
+overlay's is in the record beside it). A failed build keeps its tree under
+`failed/` for `image-builder debug`.
 """
 
 from __future__ import annotations
@@ -16,21 +22,24 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from image_builder import __version__
 from image_builder.errors import ImageBuilderError
 from image_builder.oci.cache import BlobCache
 from image_builder.oci.layers import flatten
+from image_builder.oci.local import is_local
 from image_builder.oci.pull import pull
 from image_builder.oci.registry import RegistryOptions
-from image_builder.pack.sif import SifError, read_sif, write_sif, write_singularity_env
-from image_builder.pack.squashfs import SquashOptions, source_date_epoch
+from image_builder.pack.overlay import normalise_upper
+from image_builder.pack.sif import SifError, partition_offset, read_sif, write_sif, write_singularity_env
+from image_builder.pack.squashfs import SquashOptions, list_paths, pack, source_date_epoch
 from image_builder.progress import NullProgress, Progress
 from image_builder.store.store import StorePaths, remove_tree
 from .catalog import EnvironmentSpec
-from .sandbox import BuildBackend, Bind, SandboxSpec, detect_backend, run as sandbox_run
+from .sandbox import BuildBackend, Bind, Overlay, SandboxSpec, SquashImage, detect_backend, run as sandbox_run
 
 LABEL_PREFIX = "org.image-builder."
 SCRIPTS_IN_SANDBOX = "/tmp/.image-builder/scripts"
@@ -61,13 +70,23 @@ class BuildOptions:
 @dataclass(frozen=True)
 class EnvBuild:
     name: str
-    sif: Path
+    sif: Path  # the bottom image: this environment's, or the root's of its `from:` chain
+    overlays: tuple[Path, ...]  # a `from:` chain's layers over the sif, bottom to top (this one's last)
     build_key: str
     base: str
     base_digest: str
-    env: dict[str, str]  # the image's environment: base image variables, then the catalog's
+    env: dict[str, str]  # the image's environment: base image variables, then the catalog's (parent's first)
     built: bool  # False: the existing image was up to date
     seconds: float
+
+    @property
+    def layers(self) -> tuple[Path, ...]:
+        return (self.sif, *self.overlays)
+
+    @property
+    def image(self) -> Path:
+        """The file this environment itself adds: its .sif, or its overlay over the parent."""
+        return self.layers[-1]
 
 
 def tree_digest(root: Path) -> str:
@@ -92,18 +111,43 @@ def build_key(spec: EnvironmentSpec, base_digest: str) -> str:
     return "sha256:" + hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
-def current_key(sif: Path) -> str | None:
-    """The build key recorded in an existing SIF, None if absent or unreadable."""
+def current_key(image: Path) -> str | None:
+    """The build key of an existing image, None if absent or unreadable: a SIF's labels hold it; an
+    overlay's record beside it does, trusted while the file has the recorded size."""
     try:
-        return read_sif(sif).labels().get(LABEL_PREFIX + "build-key")
-    except (SifError, OSError):
+        if image.suffix == ".sif":
+            return read_sif(image).labels().get(LABEL_PREFIX + "build-key")
+        record = json.loads(image.with_suffix(".json").read_text())
+        return record["build_key"] if image.stat().st_size == record["size"] else None
+    except (SifError, OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def layer_images(layers: tuple[Path, ...]) -> tuple[SquashImage, ...]:
+    """An environment's layers as the build sandbox mounts them: the SIF's partition, then the overlays."""
+    offset, _ = partition_offset(layers[0])
+    return (SquashImage(layers[0], offset), *(SquashImage(p) for p in layers[1:]))
+
+
+def lower_children(images: tuple[SquashImage, ...]) -> Callable[[str], list[str]]:
+    """Names directly under a directory of the layers below (for opaque directories; a name some upper
+    layer hid is listed too, and only costs a whiteout that hides nothing)."""
+    def children(rel_dir: str) -> list[str]:
+        prefix = f"/{rel_dir}/"
+        return sorted({p[len(prefix):].split("/")[0] for image in images
+                       for p in list_paths(image.path, rel_dir, image.offset)
+                       if p.startswith(prefix) and p[len(prefix):]})
+    return children
 
 
 def deffile(spec: EnvironmentSpec, base: str, digest: str, env: dict[str, str], backend: BuildBackend) -> str:
     """An Apptainer-definition-like record of how the image was made."""
-    lines = ["Bootstrap: docker", f"From: {base}@{digest}" if not base.startswith("https://") else f"From: {base}",
-             f"# built by image-builder {__version__} ({backend.value} backend)", "", "%environment"]
+    if is_local(base):  # Apptainer's bootstrap agents have skopeo's names too (oci, oci-archive, docker-archive)
+        scheme, _, where = base.partition(":")
+        source = [f"Bootstrap: {scheme}", f"From: {where}  # {digest}"]
+    else:
+        source = ["Bootstrap: docker", f"From: {base}@{digest}" if not base.startswith("https://") else f"From: {base}"]
+    lines = [*source, f"# built by image-builder {__version__} ({backend.value} backend)", "", "%environment"]
     lines += [f"    export {k}={json.dumps(v)}" for k, v in env.items()]
     for path in spec.scripts:
         lines += ["", f"%post  # {path.name}", path.read_text()]
@@ -125,15 +169,38 @@ def clamp_mtimes(root: Path, epoch: int) -> None:
     os.utime(root, (epoch, epoch))
 
 
-def build_environment(spec: EnvironmentSpec, opts: BuildOptions, progress: Progress = NullProgress()) -> EnvBuild:
-    t0 = time.monotonic()
+@dataclass(frozen=True)
+class EnvPlan:
+    """What an environment build will make, known before any work: its key names its file."""
+    spec: EnvironmentSpec
+    build_key: str
+    image: Path  # envs/<key>.sif, or envs/<key>.sqfs over the parent's layers
+    env: dict[str, str]
+    base_digest: str
+    parent: EnvBuild | None
+    base_layers: tuple[Path, ...] = ()  # the pulled base's layer blobs (no parent)
+
+
+def plan_environment(spec: EnvironmentSpec, opts: BuildOptions, parent: EnvBuild | None = None,
+                     progress: Progress = NullProgress()) -> EnvPlan:
     paths = StorePaths(opts.store)
+    if parent is not None:  # the parent's key stands for its base: a changed parent rebuilds its children
+        key = build_key(spec, parent.build_key)
+        return EnvPlan(spec, key, paths.env_image(key, ".sqfs"), {**parent.env, **spec.env}, parent.base_digest,
+                       parent)
     image = pull(spec.base, cache=opts.cache, options=opts.registry, progress=progress)
     key = build_key(spec, image.digest)
-    env = {**image.env, **spec.env}
-    sif = paths.env_sif(spec.name)
-    result = EnvBuild(spec.name, sif, key, spec.base, image.digest, env, True, 0.0)
-    if not opts.force and current_key(sif) == key:
+    return EnvPlan(spec, key, paths.env_image(key), {**image.env, **spec.env}, image.digest, None,
+                   tuple(layer.path for layer in image.layers))
+
+
+def build_environment(plan: EnvPlan, opts: BuildOptions) -> EnvBuild:
+    t0 = time.monotonic()
+    spec, key, env, parent = plan.spec, plan.build_key, plan.env, plan.parent
+    paths = StorePaths(opts.store)
+    layers = (*parent.layers, plan.image) if parent else (plan.image,)
+    result = EnvBuild(spec.name, layers[0], layers[1:], key, spec.base, plan.base_digest, env, True, 0.0)
+    if not opts.force and current_key(plan.image) == key:
         return replace_seconds(result, t0, built=False)
 
     backend = opts.backend or detect_backend()
@@ -143,24 +210,26 @@ def build_environment(spec: EnvironmentSpec, opts: BuildOptions, progress: Progr
     logs = paths.env_logs(spec.name)
     remove_tree(logs)
     logs.mkdir(parents=True)
-    labels = {LABEL_PREFIX + "build-key": key, LABEL_PREFIX + "environment": spec.name,
-              LABEL_PREFIX + "base": spec.base, LABEL_PREFIX + "base-digest": image.digest,
-              LABEL_PREFIX + "scripts": json.dumps(script_digests(spec)), LABEL_PREFIX + "version": __version__}
+    labels = {LABEL_PREFIX + "build-key": key, LABEL_PREFIX + "base": spec.base,
+              LABEL_PREFIX + "base-digest": plan.base_digest, LABEL_PREFIX + "scripts": json.dumps(script_digests(spec)),
+              LABEL_PREFIX + "version": __version__}
+    plan.image.parent.mkdir(parents=True, exist_ok=True)
     try:
-        # Rootless even as root: no device node of an untrusted layer reaches the tree.
-        flatten([layer.path for layer in image.layers], rootfs, rootless=True)
-        run_scripts(spec, rootfs, env, backend, paths, opts.verbose)
-        write_singularity_env(rootfs, env, labels=labels)
-        epoch = source_date_epoch()
-        if epoch is not None:
-            clamp_mtimes(rootfs, epoch)
-        # The tree belongs to the sandbox's uid (the builder's, or BUILD_UID): inside the image, root's.
-        squash = replace(opts.squash, all_root=True)
-        sif.parent.mkdir(parents=True, exist_ok=True)
-        write_sif(sif, rootfs, deffile=deffile(spec, spec.base, image.digest, env, backend), labels=labels,
-                  squash=squash, extra_json={"image-builder.env.json": env})
+        if parent:
+            _build_overlay(plan, parent, work, env, labels, backend, paths, opts)
+        else:
+            # Rootless even as root: no device node of an untrusted layer reaches the tree.
+            flatten(list(plan.base_layers), rootfs, rootless=True)
+            run_scripts(spec, SandboxSpec(rootfs, env=env, workdir="/", binds=_binds(spec)), backend, paths,
+                        opts.verbose)
+            write_singularity_env(rootfs, env, labels=labels)
+            _clamp(rootfs)
+            # The tree belongs to the sandbox's uid (the builder's, or BUILD_UID): inside the image, root's.
+            write_sif(plan.image, rootfs, deffile=deffile(spec, spec.base, plan.base_digest, env, backend),
+                      labels=labels, squash=replace(opts.squash, all_root=True),
+                      extra_json={"image-builder.env.json": env})
     except BaseException as e:
-        keep_failed(paths, spec, rootfs, env, backend)
+        keep_failed(paths, spec, work, env, backend, parent.layers if parent else ())
         if isinstance(e, BuildFailed):
             raise
         if isinstance(e, (ImageBuilderError, OSError)):
@@ -173,21 +242,43 @@ def build_environment(spec: EnvironmentSpec, opts: BuildOptions, progress: Progr
     return replace_seconds(result, t0)
 
 
+def _build_overlay(plan: EnvPlan, parent: EnvBuild, work: Path, env: dict[str, str], labels: dict[str, str],
+                   backend: BuildBackend, paths: StorePaths, opts: BuildOptions) -> None:
+    """A `from:` environment: the scripts run over the parent's layers (mounted read-only, as the runtime
+    mounts them) and what they wrote, in Apptainer's overlay form, is this environment's layer."""
+    upper, scratch, merged = work / "upper", work / "scratch", work / "rootfs"
+    for d in (upper, scratch, merged):
+        d.mkdir(parents=True)
+    lowers = layer_images(parent.layers)
+    sandbox = SandboxSpec(merged, env=env, workdir="/", binds=_binds(plan.spec),
+                          overlay=Overlay(lowers, upper, scratch))
+    run_scripts(plan.spec, sandbox, backend, paths, opts.verbose)
+    normalise_upper(upper, lower_children(lowers))
+    write_singularity_env(upper, env, labels=labels)  # over the parent's: Apptainer reads the merged root
+    _clamp(upper)
+    pack(upper, plan.image, replace(opts.squash, all_root=True))
+
+
+def _clamp(tree: Path) -> None:
+    epoch = source_date_epoch()
+    if epoch is not None:  # the same inputs make the same bytes
+        clamp_mtimes(tree, epoch)
+
+
 def replace_seconds(result: EnvBuild, t0: float, built: bool = True) -> EnvBuild:
     return replace(result, built=built, seconds=time.monotonic() - t0)
 
 
-def sandbox_spec(spec: EnvironmentSpec, rootfs: Path, env: dict[str, str]) -> SandboxSpec:
-    binds = (Bind(spec.context, "/build", readonly=True),) if spec.context else ()
-    return SandboxSpec(rootfs, env=env, workdir="/", binds=binds)
+def _binds(spec: EnvironmentSpec) -> tuple[Bind, ...]:
+    return (Bind(spec.context, "/build", readonly=True),) if spec.context else ()
 
 
-def run_scripts(spec: EnvironmentSpec, rootfs: Path, env: dict[str, str], backend: BuildBackend, paths: StorePaths,
+def run_scripts(spec: EnvironmentSpec, sandbox: SandboxSpec, backend: BuildBackend, paths: StorePaths,
                 verbose: bool) -> None:
     for i, script in enumerate(spec.scripts, 1):
         log = paths.env_logs(spec.name) / f"{i:02d}-{script.name}.log"
         staged = {f"scripts/{script.name}": script}
-        result = sandbox_run(sandbox_spec(spec, rootfs, env), ["/bin/sh", f"{SCRIPTS_IN_SANDBOX}/{script.name}"],
+        result = sandbox_run(sandbox, ["/bin/sh", f"{SCRIPTS_IN_SANDBOX}/{script.name}"],
                              backend=backend, timeout=spec.timeout, log=log, echo=verbose, files=staged)
         if result.returncode != 0:
             why = f"timed out after {spec.timeout:g} s" if result.timed_out else f"exited {result.returncode}"
@@ -196,9 +287,10 @@ def run_scripts(spec: EnvironmentSpec, rootfs: Path, env: dict[str, str], backen
                               log=log, tail=result.tail)
 
 
-def keep_failed(paths: StorePaths, spec: EnvironmentSpec, rootfs: Path, env: dict[str, str],
-                backend: BuildBackend) -> None:
-    """Move a failed build's tree to failed/ with what `debug` needs to reopen it.
+def keep_failed(paths: StorePaths, spec: EnvironmentSpec, work: Path, env: dict[str, str],
+                backend: BuildBackend, layers: tuple[Path, ...]) -> None:
+    """Move a failed build's tree to failed/ with what `debug` needs to reopen it: the root filesystem,
+    or for a `from:` environment its upper directory and the parent's layers to mount under it.
 
     Best effort: it runs while reporting another failure (maybe a full disk),
     and must not replace that failure with its own.
@@ -206,13 +298,15 @@ def keep_failed(paths: StorePaths, spec: EnvironmentSpec, rootfs: Path, env: dic
     dest = paths.failed_env(spec.name)
     record = {"environment": spec.name, "backend": backend.value, "env": env,
               "context": str(spec.context) if spec.context else None, "scripts": [str(p) for p in spec.scripts],
-              "failed_at": int(time.time())}
+              "layers": [str(p) for p in layers], "failed_at": int(time.time())}
     try:
         remove_tree(dest)
-        if not rootfs.exists():
+        kept = ("upper", "scratch") if layers else ("rootfs",)
+        if not all((work / name).exists() for name in kept):
             return
         dest.mkdir(parents=True)
-        os.replace(rootfs, dest / "rootfs")  # same filesystem: a rename, no space needed
+        for name in kept:
+            os.replace(work / name, dest / name)  # same filesystem: a rename, no space needed
         (dest / "build.json").write_text(json.dumps(record, indent=2))
     except OSError:
         pass
@@ -221,10 +315,11 @@ def keep_failed(paths: StorePaths, spec: EnvironmentSpec, rootfs: Path, env: dic
 @dataclass(frozen=True)
 class FailedBuild:
     name: str
-    rootfs: Path
+    where: Path  # failed/envs/<name>: rootfs/, or upper/ and scratch/ over `layers`
     backend: BuildBackend
     env: dict[str, str]
     context: Path | None
+    layers: tuple[Path, ...] = ()
 
 
 def failed_build(store: Path, name: str) -> FailedBuild:
@@ -234,19 +329,19 @@ def failed_build(store: Path, name: str) -> FailedBuild:
     except (OSError, ValueError) as e:
         raise ImageBuilderError(f"no failed build of {name!r} in {store}/failed/envs "
                                 "(only failed builds are kept for debugging)") from e
-    return FailedBuild(name, where / "rootfs", BuildBackend(record["backend"]), record["env"],
-                       Path(record["context"]) if record.get("context") else None)
+    return FailedBuild(name, where, BuildBackend(record["backend"]), record["env"],
+                       Path(record["context"]) if record.get("context") else None,
+                       tuple(Path(p) for p in record.get("layers") or ()))
 
 
 def debug_shell(failed: FailedBuild, backend: BuildBackend | None = None) -> int:
     """An interactive shell in a failed build's tree, with the build's environment."""
     binds = (Bind(failed.context, "/build", readonly=True),) if failed.context else ()
-    shell = "/bin/bash" if (failed.rootfs / "bin/bash").exists() else "/bin/sh"
-    spec = SandboxSpec(failed.rootfs, env=failed.env, workdir="/", binds=binds)
+    root = failed.where / "rootfs"
+    overlay = None
+    if failed.layers:  # the upper over the parent's layers again: the shell sees what the scripts saw
+        root.mkdir(exist_ok=True)
+        overlay = Overlay(layer_images(failed.layers), failed.where / "upper", failed.where / "scratch")
+    shell = "/bin/sh" if overlay or not (root / "bin/bash").exists() else "/bin/bash"
+    spec = SandboxSpec(root, env=failed.env, workdir="/", binds=binds, overlay=overlay)
     return sandbox_run(spec, [shell], backend=backend or failed.backend, interactive=True).returncode
-
-
-def to_json(build: EnvBuild) -> dict:
-    d = asdict(build)
-    d["sif"] = str(build.sif)
-    return d

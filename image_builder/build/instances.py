@@ -1,7 +1,8 @@
 """Instance builds: what one task adds over its environment, as a `.sqfs` overlay.
 
-The environment's `.sif` partition is mounted read-only as the lower layer
-(the very image the runtime will mount, not a leftover tree), an empty
+The environment's layers (its `.sif` partition, and the overlays of a `from:`
+chain) are mounted read-only as the lower layers (the very images the runtime
+will mount, not a leftover tree), an empty
 upper directory on top; the task's files are copied in and its script runs in
 the sandbox. Whatever the script wrote, and nothing else, is in the upper
 directory: normalised to Apptainer's overlay form and packed, it costs only
@@ -19,7 +20,6 @@ import hashlib
 import json
 import shlex
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -27,13 +27,12 @@ from image_builder import __version__
 from image_builder.errors import ImageBuilderError
 from image_builder.oci.cache import sha256_file
 from image_builder.pack.overlay import normalise_upper
-from image_builder.pack.sif import partition_offset
-from image_builder.pack.squashfs import SquashOptions, list_paths, pack, source_date_epoch
+from image_builder.pack.squashfs import SquashOptions, pack, source_date_epoch
 from image_builder.store.files import atomic_write
 from image_builder.store.store import StorePaths, remove_tree
 from .catalog import InstanceSpec
-from .envbuild import BuildFailed, EnvBuild, clamp_mtimes, tree_digest
-from .sandbox import BuildBackend, Bind, Overlay, SandboxSpec, SquashImage, detect_backend, run as sandbox_run
+from .envbuild import BuildFailed, EnvBuild, clamp_mtimes, layer_images, lower_children, tree_digest
+from .sandbox import BuildBackend, Bind, Overlay, SandboxSpec, detect_backend, run as sandbox_run
 
 FILES_IN_SANDBOX = "/tmp/.image-builder/instance-files"
 SCRIPT_IN_SANDBOX = "/tmp/.image-builder/instance.sh"
@@ -93,15 +92,6 @@ def _write_record(paths: StorePaths, build: InstanceBuild) -> None:
     atomic_write(record_path(paths, build.id), lambda f: f.write(json.dumps(doc, indent=1).encode()))
 
 
-def lower_children(sif: Path, offset: int) -> Callable[[str], list[str]]:
-    """Names directly under a directory of the environment image (for opaque directories)."""
-    def children(rel_dir: str) -> list[str]:
-        prefix = f"/{rel_dir}/"
-        return sorted({p[len(prefix):].split("/")[0] for p in list_paths(sif, rel_dir, offset)
-                       if p.startswith(prefix) and p[len(prefix):]})
-    return children
-
-
 def build_instance(spec: InstanceSpec, env: EnvBuild, store: Path, *, backend: BuildBackend | None = None,
                    squash: SquashOptions = SquashOptions(), verbose: bool = False, force: bool = False) -> InstanceBuild:
     t0 = time.monotonic()
@@ -122,7 +112,7 @@ def build_instance(spec: InstanceSpec, env: EnvBuild, store: Path, *, backend: B
     upper, scratch, merged = work / "upper", work / "work", work / "merged"
     for d in (upper, scratch, merged):
         d.mkdir(parents=True)
-    offset, _ = partition_offset(env.sif)
+    lowers = layer_images(env.layers)
     log = paths.instance_log(spec.id)
     log.parent.mkdir(parents=True, exist_ok=True)
     log.unlink(missing_ok=True)
@@ -135,7 +125,7 @@ def build_instance(spec: InstanceSpec, env: EnvBuild, store: Path, *, backend: B
         steps.append(f"mkdir -p {workdir} && cd {workdir} && /bin/sh {SCRIPT_IN_SANDBOX}")
     binds = (Bind(spec.context, "/build"),) if spec.context else ()
     sandbox = SandboxSpec(merged, env={**env.env, **spec.env}, workdir="/", binds=binds,
-                          overlay=Overlay((SquashImage(env.sif, offset),), upper, scratch))
+                          overlay=Overlay(lowers, upper, scratch))
     dest = paths.instance_sqfs(spec.id)
     try:
         result = sandbox_run(sandbox, ["/bin/sh", "-ec", " && ".join(steps)], backend=backend,
@@ -144,7 +134,7 @@ def build_instance(spec: InstanceSpec, env: EnvBuild, store: Path, *, backend: B
             why = f"timed out after {spec.timeout:g} s" if result.timed_out else f"exited {result.returncode}"
             raise BuildFailed(f"instance {spec.id}: script {spec.script.name if spec.script else '(files)'} "
                               f"{why}; log: {log}", log=log, tail=result.tail)
-        normalise_upper(upper, lower_children(env.sif, offset))
+        normalise_upper(upper, lower_children(lowers))
         epoch = source_date_epoch()
         if epoch is not None:  # as for environments: the same inputs make the same bytes
             clamp_mtimes(upper, epoch)

@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -30,11 +30,11 @@ from image_builder.errors import ImageBuilderError
 from image_builder.oci.cache import sha256_file
 from image_builder.store.files import atomic_write
 from image_builder.store.ids import shown_id
-from image_builder.store.index import (EnvRecord, Index, IndexError_, InstanceRecord, load_json, parse_index,
-                                       read_index, write_index)
+from image_builder.store.index import (EnvRecord, Index, IndexError_, InstanceRecord, Layer, load_json,
+                                       parse_index, read_index, write_index)
 from image_builder.store.store import StorePaths, remove_dead_work
 from .catalog import Catalog, EnvironmentSpec, InstanceSpec
-from .envbuild import BuildFailed, BuildOptions, EnvBuild, build_environment
+from .envbuild import BuildFailed, BuildOptions, EnvBuild, build_environment, plan_environment
 from .instances import InstanceBuild, build_instance
 
 FRAGMENTS_DIR = "index.d"
@@ -68,6 +68,7 @@ class BuildSummary:
     results: list[ItemResult] = field(default_factory=list)
     seconds: float = 0.0
     index: Path | None = None
+    shared: list[tuple[str, list[str]]] = field(default_factory=list)  # (environment, others of its build key)
 
     @property
     def failed(self) -> list[ItemResult]:
@@ -111,6 +112,10 @@ def select(catalog: Catalog, only: frozenset[str], shard: tuple[int, int] | None
     if not only and (not shard or shard[0] == 0):
         # A full build has the environments no instance uses, so the N shards together do too: shard 0 builds them.
         wanted |= set(catalog.environments) - {i.environment for i in catalog.instances.values()}
+    for name in list(wanted):  # and what they are built on
+        while catalog.environments[name].parent:
+            name = catalog.environments[name].parent
+            wanted.add(name)
     envs = [catalog.environments[n] for n in catalog.environments if n in wanted]
     if shard and envs:  # shard k starts k environments further on: concurrent shards build different ones
         start = shard[0] % len(envs)
@@ -119,7 +124,8 @@ def select(catalog: Catalog, only: frozenset[str], shard: tuple[int, int] | None
 
 
 def drop_if_corrupt(sif: Path) -> None:
-    """A .sif whose bytes no longer match its record is removed, so the build makes it again."""
+    """An environment image (.sif or .sqfs) whose bytes no longer match its record is removed, so the
+    build makes it again."""
     try:
         old = json.loads(sif.with_suffix(".json").read_text())
         st = sif.stat()
@@ -127,25 +133,36 @@ def drop_if_corrupt(sif: Path) -> None:
         return
     if (st.st_size, st.st_mtime_ns) != (old.get("size"), old.get("mtime_ns")) and sha256_file(sif) != old.get("sha256"):
         sif.unlink()
+        sif.with_suffix(".json").unlink(missing_ok=True)
 
 
-def _env_record(paths: StorePaths, build: EnvBuild, catalog: str) -> EnvRecord:
-    """The index record, hashing the .sif only when it changed since the last record."""
-    sidecar = build.sif.with_suffix(".json")
-    st = build.sif.stat()
+def _own_image(paths: StorePaths, build: EnvBuild) -> Layer:
+    """The file an environment build made (its .sif, or its overlay), hashed only when it changed since its
+    last record."""
+    image = build.image
+    sidecar = image.with_suffix(".json")
+    st = image.stat()
     try:
         old = json.loads(sidecar.read_text())
         if old["build_key"] == build.build_key and old["size"] == st.st_size and old["mtime_ns"] == st.st_mtime_ns:
-            digest, built_at = old["sha256"], old["built_at"]
-        else:
-            raise ValueError
-    except (OSError, ValueError, KeyError):
-        digest, built_at = sha256_file(build.sif), int(st.st_mtime)
-        doc = {"build_key": build.build_key, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest,
-               "built_at": built_at}
-        atomic_write(sidecar, lambda f: f.write(json.dumps(doc).encode()))
-    return EnvRecord(build.name, paths.relative(build.sif), digest, st.st_size, build.base, build.base_digest,
-                     build.build_key, built_at, build.env, catalog)
+            return Layer(paths.relative(image), old["sha256"], st.st_size)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    digest = sha256_file(image)
+    doc = {"build_key": build.build_key, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest,
+           "built_at": int(st.st_mtime)}
+    atomic_write(sidecar, lambda f: f.write(json.dumps(doc).encode()))
+    return Layer(paths.relative(image), digest, st.st_size)
+
+
+def _env_record(paths: StorePaths, build: EnvBuild, catalog: str, parent: EnvRecord | None) -> EnvRecord:
+    own = _own_image(paths, build)
+    built_at = int(build.image.stat().st_mtime)
+    if parent is None:  # the bottom image: the record's own sif
+        return EnvRecord(build.name, own.file, own.sha256, own.size, build.base, build.base_digest,
+                         build.build_key, built_at, build.env, catalog)
+    return replace(parent, name=build.name, build_key=build.build_key, built_at=built_at, env=build.env,
+                   catalog=catalog, overlays=(*parent.overlays, own))
 
 
 def _instance_record(paths: StorePaths, spec: InstanceSpec, build: InstanceBuild, catalog: str) -> InstanceRecord:
@@ -177,25 +194,32 @@ def build_store(catalog: Catalog, opts: StoreBuildOptions, reporter: Reporter = 
 
     def build_env(spec: EnvironmentSpec) -> ItemResult:
         start = time.monotonic()
+        parent = env_builds.get(spec.parent) if spec.parent else None
+        if spec.parent and parent is None:
+            return ItemResult("environment", spec.name, "skipped", message=f"environment {spec.parent} failed")
         reporter.start("environment", spec.name)
         try:
-            with item_lock(store, f"env-{spec.name}"):
+            plan = plan_environment(spec, opts.build, parent)
+            # Locked by key, not name: names that share a key build one image, once.
+            with item_lock(store, f"env-{plan.build_key[7:39]}"):
                 failed_in = paths.lock(f"env-{spec.name}", ".failed")
                 if opts.attempt and failed_in.exists() and failed_in.read_text() == opts.attempt:
                     raise ImageBuilderError(f"its build failed in another shard of this submission; log: "
                                             f"{paths.env_logs(spec.name)}")
-                drop_if_corrupt(paths.env_sif(spec.name))
+                drop_if_corrupt(plan.image)
                 try:
-                    build = build_environment(spec, opts.build)
+                    build = build_environment(plan, opts.build)
                 except BuildFailed:
                     if opts.attempt:
                         failed_in.write_text(opts.attempt)
                     raise
                 failed_in.unlink(missing_ok=True)
-                env_records[spec.name] = _env_record(paths, build, catalog.path.name)
+                env_records[spec.name] = _env_record(paths, build, catalog.path.name,
+                                                     env_records[spec.parent] if spec.parent else None)
             env_builds[spec.name] = build
+            own = env_records[spec.name].overlays[-1].size if spec.parent else env_records[spec.name].size
             return ItemResult("environment", spec.name, "built" if build.built else "up to date",
-                              time.monotonic() - start, env_records[spec.name].size)
+                              time.monotonic() - start, own)
         except ImageBuilderError as e:
             return _failure("environment", spec.name, start, e)
 
@@ -218,8 +242,11 @@ def build_store(catalog: Catalog, opts: StoreBuildOptions, reporter: Reporter = 
 
     try:
         for work, items in ((build_env, envs), (build_inst, instances)):
+            # An environment starts once the one it is built on has finished (built, failed or skipped).
+            building = {e.name for e in envs}
+            waiting = [e for e in items if isinstance(e, EnvironmentSpec) and e.parent in building]
             with ThreadPoolExecutor(max_workers=max(1, opts.jobs)) as pool:
-                pending: set[Future] = {pool.submit(work, item) for item in items}
+                pending: set[Future] = {pool.submit(work, item) for item in items if item not in waiting}
                 while pending:
                     finished, pending = wait(pending, return_when=FIRST_COMPLETED)
                     for fut in finished:
@@ -228,10 +255,23 @@ def build_store(catalog: Catalog, opts: StoreBuildOptions, reporter: Reporter = 
                         reporter.done(result)
                         if result.status == "failed" and opts.fail_fast:
                             stop = True
+                        for child in [c for c in waiting if c.parent == result.name]:
+                            waiting.remove(child)
+                            pending.add(pool.submit(work, child))
     finally:  # also on Ctrl-C: record what is finished
         summary.index = _update_index(store, catalog, opts, env_records, inst_records)
         summary.seconds = time.monotonic() - t0
+    summary.shared = _shared(envs, env_builds)
     return summary
+
+
+def _shared(envs: list[EnvironmentSpec], builds: dict[str, EnvBuild]) -> list[tuple[str, list[str]]]:
+    """(first name, the others) for each image that several environments of this build share."""
+    by_key: dict[str, list[str]] = {}
+    for spec in envs:
+        if spec.name in builds:
+            by_key.setdefault(builds[spec.name].build_key, []).append(spec.name)
+    return [(names[0], names[1:]) for names in by_key.values() if len(names) > 1]
 
 
 def _check_ownership(store: Path, catalog: Catalog) -> None:
@@ -293,4 +333,5 @@ def merge_fragments(store: Path) -> tuple[Path, int]:
 
 def to_json(summary: BuildSummary) -> dict:
     return {"seconds": summary.seconds, "index": str(summary.index) if summary.index else None,
-            "results": [asdict(r) for r in summary.results]}
+            "results": [asdict(r) for r in summary.results],
+            "shared": [{"environment": first, "same": others} for first, others in summary.shared]}

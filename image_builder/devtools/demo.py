@@ -1,8 +1,8 @@
 """`make demo`: the main job end to end on the built-in samples.
 
 1. base images: the catalogs' own bases when their registry answers, else
-   Debian python bases made with debootstrap once and served by a local
-   docker-registry over TLS on 127.0.0.1;
+   Debian python bases made with debootstrap once and kept as an OCI layout
+   (`image-builder base debian`);
 2. two stores: index/mbpp.yaml (40 MBPP tasks) and
    index/swebench-marshmallow.yaml (two SWE-bench instances, two Python versions);
 3. grading in the sandbox: reference, wrong and ImpossibleBench solutions;
@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,8 +31,7 @@ from image_builder.oci.cache import BlobCache, default_cache_dir
 from image_builder.oci.registry import RegistryOptions
 from image_builder.progress import BuildLog, human_bytes
 from image_builder.store.store import Store
-from .bases import debian_rootfs
-from .localregistry import push_image, rootfs_layer, self_signed_cert, start_registry
+from image_builder.oci.debian import debian_base
 
 ROOT = Path(__file__).resolve().parents[2]
 INDEX = ROOT / "index"
@@ -52,18 +50,12 @@ def docker_hub_reachable() -> bool:
         return False
 
 
-def local_bases(stack: ExitStack) -> tuple[dict[str, str], RegistryOptions]:
-    """Debian bookworm (Python 3.11) and bullseye (Python 3.9) bases, served over TLS on 127.0.0.1."""
-    tls = self_signed_cert(HOME / "tls", "registry")
-    reg = stack.enter_context(start_registry(HOME / "registry", "demo", HOME / "registry" / "storage", tls))
-    refs = {}
-    for suite in ("bookworm", "bullseye"):
-        rootfs = debian_rootfs(suite, HOME / "bases")
-        push_image(reg.url, "demo/python", suite, [rootfs_layer(rootfs, HOME / "bases" / f"{rootfs.name}.tar.gz")],
-                   ca=tls.cert)
-        refs[suite] = f"{reg.host}/demo/python:{suite}"
-    bases = {"python": refs["bookworm"], "bookworm-python": refs["bookworm"], "bullseye-python": refs["bullseye"]}
-    return bases, RegistryOptions(ca_cert=tls.cert)
+def local_bases() -> dict[str, str]:
+    """Debian bookworm (Python 3.11) and bullseye (Python 3.9) bases, made with debootstrap once and kept
+    as an OCI layout (what `image-builder base debian` writes): the stores name bases that stay."""
+    return {"python": debian_base("bookworm", HOME / "bases" / "layout", HOME / "bases"),
+            "bookworm-python": debian_base("bookworm", HOME / "bases" / "layout", HOME / "bases"),
+            "bullseye-python": debian_base("bullseye", HOME / "bases" / "layout", HOME / "bases")}
 
 
 @dataclass
@@ -109,9 +101,9 @@ def grading_sets(mbpp: Path, swe: Path) -> list[Row]:
     ]
 
 
-def build(catalog: Path, store: Path, bases: dict[str, str], registry: RegistryOptions) -> None:
+def build(catalog: Path, store: Path, bases: dict[str, str]) -> None:
     cat = load(catalog, bases=bases)
-    opts = StoreBuildOptions(BuildOptions(store=store, cache=BlobCache(), registry=registry), jobs=2)
+    opts = StoreBuildOptions(BuildOptions(store=store, cache=BlobCache(), registry=RegistryOptions()), jobs=2)
     summary = build_store(cat, opts, BuildLog(sys.stdout, quiet=True))
     if summary.failed:
         for f in summary.failed:
@@ -127,18 +119,17 @@ def build(catalog: Path, store: Path, bases: dict[str, str], registry: RegistryO
 def main() -> int:
     t0 = time.monotonic()
     HOME.mkdir(parents=True, exist_ok=True)
-    with ExitStack() as stack:
-        if docker_hub_reachable():
-            bases, registry = {}, RegistryOptions()
-            say("1/3 base images: the catalogs' own bases, from Docker Hub")
-        else:
-            say("1/3 base images: Docker Hub is not reachable, so Debian python bases made with debootstrap "
-                "(once, about a minute each) are served by a local docker-registry over TLS on 127.0.0.1")
-            bases, registry = local_bases(stack)
-        say("2/3 building the stores (environments, then instances)")
-        mbpp, swe = HOME / "stores" / "mbpp", HOME / "stores" / "swebench"
-        build(INDEX / "mbpp.yaml", mbpp, bases, registry)
-        build(INDEX / "swebench-marshmallow.yaml", swe, bases, registry)
+    if docker_hub_reachable():
+        bases = {}
+        say("1/3 base images: the catalogs' own bases, from Docker Hub")
+    else:
+        say("1/3 base images: Docker Hub is not reachable, so Debian python bases made with debootstrap "
+            "(once, about a minute each; image-builder base debian) as an OCI layout")
+        bases = local_bases()
+    say("2/3 building the stores (environments, then instances)")
+    mbpp, swe = HOME / "stores" / "mbpp", HOME / "stores" / "swebench"
+    build(INDEX / "mbpp.yaml", mbpp, bases)
+    build(INDEX / "swebench-marshmallow.yaml", swe, bases)
     say("3/3 grading in the sandbox")
     rows = []
     for row in grading_sets(mbpp, swe):
@@ -152,8 +143,8 @@ def main() -> int:
     say()
     for name, store in (("mbpp", mbpp), ("swebench", swe)):
         index = Store.open(store).index
-        env_bytes = sum(e.size for e in index.environments.values())
         inst_bytes = sum(i.size for i in index.instances.values())
+        env_bytes = sum(index.file_sizes().values()) - inst_bytes
         say(f"store {name:<9} {len(index.environments)} environments ({human_bytes(env_bytes)}), "
             f"{len(index.instances)} instances ({human_bytes(inst_bytes)})  {store}")
     say()

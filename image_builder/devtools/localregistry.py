@@ -1,20 +1,18 @@
 """A private registry on 127.0.0.1 and pushing a root filesystem into it.
 
-For sites without access to a public registry: make a base with debootstrap,
-serve it over TLS from Debian's `docker-registry` (a real OCI registry) and
-point catalogs at it. `make demo` and the tests use this.
+The tests and benchmarks pull through a real OCI registry (Debian's
+`docker-registry`, over TLS) this way. Sites without a registry do not need
+one: `image-builder base debian` writes an OCI layout that catalogs name as
+`oci:DIR:TAG` (oci/local.py).
 """
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
-import os
 import shutil
 import socket
 import subprocess
-import tarfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,10 +22,8 @@ import yaml
 
 from image_builder.errors import ImageBuilderError
 from image_builder.oci.cache import sha256_file
+from image_builder.oci.layout import OCI_CONFIG, OCI_LAYER_GZIP, OCI_MANIFEST, DEFAULT_ENV, image_config
 
-OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
-OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
-OCI_LAYER_GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
 
 
 class LocalRegistryError(ImageBuilderError):
@@ -123,18 +119,6 @@ def start_registry(workdir: Path, name: str, storage: Path, tls: CertPair, auth:
     raise LocalRegistryError(f"docker-registry {name} did not answer within 20 s; see {log}")
 
 
-def rootfs_layer(rootfs: Path, dest: Path) -> Path:
-    """A gzip tar layer of a directory, numeric owners, written once."""
-    if not dest.exists():
-        tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")  # several processes may make it at once
-        with gzip.open(tmp, "wb", compresslevel=6) as gz, tarfile.open(fileobj=gz, mode="w|",
-                                                                        format=tarfile.PAX_FORMAT) as tar:
-            for entry in sorted(rootfs.iterdir()):
-                tar.add(entry, arcname=entry.name)
-        os.replace(tmp, dest)
-    return dest
-
-
 def push_image(registry_url: str, repository: str, tag: str, layers: list[Path], *, ca: Path | None,
                env: list[str] | None = None, arch: str = "amd64") -> str:
     """Push gzip layers and a minimal config as an OCI image; returns the manifest digest."""
@@ -161,12 +145,7 @@ def push_image(registry_url: str, repository: str, tag: str, layers: list[Path],
         return digest, size
 
     descriptors = [dict(zip(("digest", "size"), put_blob(p, None)), mediaType=OCI_LAYER_GZIP) for p in layers]
-    config = json.dumps({
-        "architecture": arch, "os": "linux",
-        "config": {"Env": env or ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]},
-        "rootfs": {"type": "layers", "diff_ids": []},
-        "history": [{"created_by": f"image-builder layer {i}"} for i in range(len(layers))],
-    }, sort_keys=True).encode()
+    config = image_config(len(layers), tuple(env) if env else DEFAULT_ENV, arch)
     config_digest, config_size = put_blob(None, config)
     manifest = json.dumps({"schemaVersion": 2, "mediaType": OCI_MANIFEST,
                            "config": {"mediaType": OCI_CONFIG, "digest": config_digest, "size": config_size},

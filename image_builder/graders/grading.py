@@ -78,7 +78,8 @@ class StoreExecutors:
         session opens at the first run."""
         resolved = self.store.resolve(instance_id)
         return _InstanceExecutor(self, InstanceLayers(resolved.env_sif, resolved.overlays, resolved.env,
-                                                      resolved.workdir, resolved.digests), resolved.test_command)
+                                                      resolved.workdir, resolved.digests), resolved.test_command,
+                                 resolved.grader.get("log_parser"))
 
     def _acquire(self, key: tuple, layers: InstanceLayers) -> Session:
         with self._lock:
@@ -114,11 +115,13 @@ class StoreExecutors:
 class _InstanceExecutor:
     """What a grader is given: each run borrows its instance's session from the pool."""
 
-    def __init__(self, pool: StoreExecutors, layers: InstanceLayers, test_command: str | None):
+    def __init__(self, pool: StoreExecutors, layers: InstanceLayers, test_command: str | None,
+                 log_parser: object = None):
         self._pool, self._layers = pool, layers
         # Sessions are shared by layers: instances that add nothing to one environment share its session.
         self._key = layers.env_sif, layers.overlays, layers.workdir, tuple(sorted(layers.env.items()))
         self.test_command = test_command  # the catalog's, for repo graders (swebench.resolve_test_command)
+        self.log_parser = log_parser  # SWE-bench's parser for the repository, as the catalog names it
 
     def run(self, request: RunRequest) -> RunResult:
         with self._session() as session:
@@ -148,17 +151,31 @@ def read_results(output: Path) -> list[GradeResult]:
     return out
 
 
-def grade_to_file(tasks: Iterable[Task], predictions: list[Prediction], executor_for: Callable[[Task], Executor],
-                  output: Path, *, options: GradeOptions = GradeOptions(), workers: int = 2,
-                  on_result: Callable[[GradeResult], None] = lambda r: None) -> int:
-    """Grade what `output` does not hold yet, appending each result as it finishes; returns how many ran."""
-    index = TaskIndex(tasks)
+def resumable(output: Path, predictions: list[Prediction]) -> set[str]:
+    """The tasks of `predictions` that `output` already holds; ImageBuilderError if it holds one graded from
+    another solution (a rerun must not mix two runs' verdicts in one file)."""
     done = {r.task_id: r.solution_sha256 for r in read_results(output)}
     for prediction in predictions:
         if prediction.task_id in done and done[prediction.task_id] != prediction.sha256:
             raise ImageBuilderError(f"{output} holds a result for {prediction.task_id!r} graded from another "
                                     "solution (other predictions, or an older image-builder); give another -o, or "
-                                    "remove the file to grade these")
+                                    "--overwrite to grade afresh")
+    return set(done) & {p.task_id for p in predictions}
+
+
+def discard_results(output: Path) -> None:
+    """A results file and what belongs to it (summary, artifacts), for grading afresh into the same name."""
+    from image_builder.store.store import remove_tree
+    for path in (output, summary_path(output), artifacts_root(output)):
+        remove_tree(path)
+
+
+def grade_to_file(tasks: Iterable[Task], predictions: list[Prediction], executor_for: Callable[[Task], Executor],
+                  output: Path, *, options: GradeOptions = GradeOptions(), workers: int = 2,
+                  on_result: Callable[[GradeResult], None] = lambda r: None) -> int:
+    """Grade what `output` does not hold yet, appending each result as it finishes; returns how many ran."""
+    index = TaskIndex(tasks)
+    done = resumable(output, predictions)
     todo = [p for p in predictions if p.task_id not in done]
     output.parent.mkdir(parents=True, exist_ok=True)
     _drop_partial_line(output)
@@ -176,10 +193,14 @@ def grade_to_file(tasks: Iterable[Task], predictions: list[Prediction], executor
     return len(todo)
 
 
+def artifacts_root(output: Path) -> Path:
+    return output.with_name(f"{output.stem}.artifacts")
+
+
 def artifacts_dir(output: Path, task_id: str) -> Path:
     """Where a result's run files go, as SWE-bench's harness keeps them per instance:
     results.jsonl -> results.artifacts/<task id>/."""
-    return output.with_name(f"{output.stem}.artifacts") / file_name(task_id)
+    return artifacts_root(output) / file_name(task_id)
 
 
 def write_artifacts(output: Path, result: GradeResult) -> None:

@@ -16,9 +16,8 @@ after the candidate's patch (whole files, or only the pytest sections of
 shared files, by a stdlib-only script run with `python -I -S`, so no startup
 hook of the candidate's runs; if that script cannot run, the whole files go
 back), and each change dropped is reported. In open mode they are compared and
-flagged. The tests run with PYTHONDONTWRITEBYTECODE=1, a fresh
-PYTHONPYCACHEPREFIX and, for pytest, `-p no:cacheprovider`, so no bytecode or
-cache in the tree is read.
+flagged. The tests run with PYTHONDONTWRITEBYTECODE=1 and, for pytest,
+`-p no:cacheprovider`, so the run writes no bytecode or cache into the tree.
 
 Why the run's report cannot be forged by printing:
 - the script reads a random nonce from a file and deletes it before any
@@ -45,6 +44,7 @@ import binascii
 import json
 import secrets
 import shlex
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from image_builder.runtime.execution import Executor, RunRequest, RunResult
@@ -55,8 +55,9 @@ from .options import GradeOptions
 from .patches import refused_path, target_paths, touched_paths
 from image_builder.tasks import REPO_TEST_CMDS
 from .results import GradeResult, RepoReport, TaskStatus
-from .testlogs import TestStatus, junit_key, parse_junit, parse_pytest_log, parse_unittest_log
+from .testlogs import TestStatus, junit_key, parse_junit, parse_pytest_log, parse_unittest_log, shorten_path_option
 
+PATH_OPTIONS_PARSER = "parse_log_pytest_options"  # SWE-bench's name for it (its MAP_REPO_TO_PARSER_PY)
 GRADER_DIR = ".ib-grader"  # written into the workdir by the run, moved out before any patch is applied
 _SUCCESS = {TestStatus.PASSED.value, TestStatus.XFAIL.value}
 _NEUTRAL = {TestStatus.SKIPPED.value}
@@ -252,14 +253,17 @@ print(json.dumps(found))
 """
 
 _SCRIPT_TAIL = r"""J=$(mktemp -d)
-export PYTHONDONTWRITEBYTECODE=1 PYTHONPYCACHEPREFIX="$(mktemp -d)"  # no bytecode in the tree is read or written
+# No bytecode is written into the tree. Not PYTHONPYCACHEPREFIX: tests of the import system (pytest's
+# test_orphaned_pyc_file) need __pycache__ where Python puts it; bytecode a patch brings is test
+# infrastructure (access.py): dropped in read-only and hidden modes, flagged in open mode.
+export PYTHONDONTWRITEBYTECODE=1
 echo ">>>>> $NONCE start"
 {command} < /dev/null 3>&-
 rc=$?
 echo ">>>>> $NONCE end"
 note exit "$rc"
 if [ -s "$J/junit.xml" ]; then note junit "$(base64 -w0 "$J/junit.xml")"; else note junit none; fi
-rm -rf "$J" "$G" "$PYTHONPYCACHEPREFIX"
+rm -rf "$J" "$G"
 """
 
 
@@ -290,7 +294,8 @@ def grade_repo(task: RepoTask, patch: str, executor: Executor, options: GradeOpt
                                      max_output=options.repo_max_output, network=options.repo_network))
     run = read_run(result, nonce)
     facts = RunFacts(options.access.value, reverted, test_cmd, pytest, [p for _, p in infra], options.repo_network,
-                     run.notes, run.apply_log, run.test_log, run.finished, run.timed_out)
+                     run.notes, run.apply_log, run.test_log, run.finished, run.timed_out,
+                     getattr(executor, "log_parser", None) == PATH_OPTIONS_PARSER)
     graded = judge_facts(task, facts)
     graded.artifacts = facts.artifacts(script, patch)
     return graded
@@ -310,6 +315,7 @@ class RunFacts:
     test_log: str | None
     finished: bool
     timed_out: bool
+    path_options: bool = False  # ids as SWE-bench's parse_log_pytest_options writes them (shorten_path_option)
 
     def artifacts(self, script: str, patch: str) -> dict[str, str]:
         """SWE-bench's per-instance files (eval.sh, patch, test output) and the facts themselves."""
@@ -331,7 +337,7 @@ class RunFacts:
 def judge_facts(task: RepoTask, facts: RunFacts) -> GradeResult:
     run = Run(facts.timed_out, facts.notes, facts.apply_log, facts.test_log, facts.finished)
     graded = judge(task, run, TestAccess(facts.access), facts.reverted, facts.test_cmd, facts.pytest,
-                   infra=facts.infra)
+                   infra=facts.infra, path_options=facts.path_options)
     if graded.repo is not None:
         graded.repo.network = facts.network
     return graded
@@ -401,8 +407,9 @@ def read_run(result: RunResult, nonce: str) -> Run:
 
 
 def judge(task: RepoTask, run: Run, access: TestAccess, reverted: list[str], test_cmd: str,
-          pytest: bool, infra: list[str] = ()) -> GradeResult:
-    """`infra`: the candidate's test-infrastructure paths the run protected (restored, or in open mode compared)."""
+          pytest: bool, infra: list[str] = (), path_options: bool = False) -> GradeResult:
+    """`infra`: the candidate's test-infrastructure paths the run protected (restored, or in open mode compared).
+    `path_options`: the dataset's ids are SWE-bench's parse_log_pytest_options ones (the catalog's log_parser)."""
     notes = run.notes
     extra = {"infra": _infra_changes(notes, access, infra)}
     if "model-failed" in notes:
@@ -415,7 +422,14 @@ def judge(task: RepoTask, run: Run, access: TestAccess, reverted: list[str], tes
         return GradeResult(task.task_id, "repo", TaskStatus.ERROR, reason=why,
                            repo=_report(task, run, access, reverted, test_cmd, {}, "", [], **extra))
     log_statuses = (parse_pytest_log if pytest else parse_unittest_log)(run.test_log or "")
-    statuses, crosscheck, mismatches, skipped = _crosscheck(task, log_statuses, notes.get("junit"), pytest)
+    shorten = shorten_path_option if pytest and path_options else (lambda test: test)
+    log_statuses = {shorten(t): s for t, s in log_statuses.items()}
+    statuses, crosscheck, mismatches, skipped = _crosscheck(task, log_statuses, notes.get("junit"), pytest, shorten)
+    if pytest:  # entries that name no test: as SWE-bench's parser reads them (see _names_a_test)
+        whole = {shorten(t): s for t, s in parse_pytest_log(run.test_log or "", summary_only=False).items()}
+        for test in [t for t in statuses if not _names_a_test(t)]:
+            statuses[test] = whole[test].value if test in whole else MISSING
+            crosscheck = "junit, swebench-log" if crosscheck == "junit" else crosscheck
     report = _report(task, run, access, reverted, test_cmd, statuses, crosscheck, mismatches, **extra)
     failing = [t for t, s in {**report.fail_to_pass, **report.pass_to_pass}.items()
                if s not in _SUCCESS and s not in _NEUTRAL]
@@ -446,8 +460,16 @@ def _infra_changes(notes: dict[str, str], access: TestAccess, infra: list[str]) 
         return list(infra)  # the merge did not run (infra-fallback: whole files restored) or no note at all
 
 
+def _names_a_test(test: str) -> bool:
+    """A pytest node id (`file.py::name`) or file. SWE-bench's datasets hold a few entries that are neither:
+    its parser took `[100%]` for a test id from a captured `PASSED [100%]` line (pytest-5227), and counts it
+    passed when such a line is printed. No junit entry can back those; a candidate that prints one gains a
+    verdict on no test at all."""
+    return "::" in test or test.endswith(".py")
+
+
 def _crosscheck(task: RepoTask, log_statuses: dict[str, TestStatus], junit_note: str | None,
-                pytest: bool) -> tuple[dict[str, str], str, list[str], set[str]]:
+                pytest: bool, shorten: Callable[[str], str]) -> tuple[dict[str, str], str, list[str], set[str]]:
     """Statuses, how they were checked, the log/junit mismatches, and the tests junit says were skipped
     that the log (as SWE-bench reads it) does not name: those are MISSING, as SWE-bench has them."""
     tests = [*task.fail_to_pass, *task.pass_to_pass]
@@ -456,6 +478,7 @@ def _crosscheck(task: RepoTask, log_statuses: dict[str, TestStatus], junit_note:
     junit = _junit(junit_note)
     if junit is None:
         return {t: MISSING for t in tests}, "junit-missing", [], set()
+    junit = {(cls, shorten(name)): status for (cls, name), status in junit.items()}
     statuses, mismatches, skipped = {}, [], set()
     for test in tests:
         from_log, from_junit = log_statuses.get(test), junit.get(junit_key(test))

@@ -43,11 +43,13 @@ _UNITTEST_STATUS = {"ok": TestStatus.PASSED, "FAIL": TestStatus.FAILED, "ERROR":
                     "unexpected success": TestStatus.FAILED}
 
 
-def parse_pytest_log(log: str) -> dict[str, TestStatus]:
+def parse_pytest_log(log: str, *, summary_only: bool = True) -> dict[str, TestStatus]:
+    """`STATUS id` lines of the last short test summary; `summary_only=False`: of the whole log, as
+    SWE-bench's parse_log_pytest reads it (captured output of the tests included)."""
     lines = _ANSI.sub("", log).splitlines()
     headers = [i for i, line in enumerate(lines) if _SUMMARY_HEADER.match(line.strip())]
     statuses: dict[str, TestStatus] = {}
-    for line in lines[headers[-1] + 1 if headers else 0:]:
+    for line in lines[headers[-1] + 1 if headers and summary_only else 0:]:
         word, _, rest = line.partition(" ")
         if word in TestStatus.__members__ and rest.split():
             statuses[rest.split()[0]] = TestStatus[word]  # "FAILED id - message" too
@@ -86,6 +88,22 @@ def parse_junit(xml_text: str) -> dict[tuple[str, str], TestStatus]:
         if key not in statuses or _SUMMARY_ORDER.index(status) > _SUMMARY_ORDER.index(statuses[key]):
             statuses[key] = status
     return statuses
+
+
+_OPTION = re.compile(r"(.*?)\[(.*)\]")
+
+
+def shorten_path_option(test: str) -> str:
+    """A parametrized id as SWE-bench's parse_log_pytest_options writes it (pylint, requests, pydicom): an
+    option that is an absolute path keeps only its last part, `test_stdin[/testbed/tests/mymodule.py-...-
+    /testbed/tests/mymodule.py]` -> `test_stdin[/mymodule.py]` (so ids do not depend on where the repo is)."""
+    found = _OPTION.search(test)
+    if not found:
+        return test
+    main, option = found.groups()
+    if option.startswith("/") and not option.startswith("//") and "*" not in option:
+        option = "/" + option.split("/")[-1]
+    return f"{main}[{option}]"
 
 
 def junit_key(nodeid: str) -> tuple[str, str]:

@@ -9,45 +9,18 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from image_builder.progress import NullProgress, Progress
 from .cache import BlobCache
+from .image import Layer, PulledImage
+from .local import is_local, pull_local
 from .manifest import (INDEX_TYPES, MANIFEST_TYPES, ManifestError, Platform, media_type_of, parse_manifest,
                        select_platform)
 from .reference import parse as parse_reference
 from .registry import RegistryClient, RegistryError, RegistryOptions, Transport
-
-
-@dataclass(frozen=True)
-class Layer:
-    digest: str
-    size: int
-    media_type: str
-    path: Path  # the verified blob in the cache
-
-
-@dataclass(frozen=True)
-class PulledImage:
-    reference: str  # normalised, e.g. docker.io/library/python:3.12
-    digest: str  # the platform manifest's digest: what a build key pins
-    index_digest: str | None  # the multi-platform index it was chosen from, if any
-    platform: str
-    config: dict  # the image config (env, working dir, ...); empty for a rootfs tarball
-    layers: tuple[Layer, ...]
-
-    @property
-    def env(self) -> dict[str, str]:
-        pairs = (self.config.get("config") or {}).get("Env") or []
-        return dict(p.split("=", 1) for p in pairs if "=" in p)
-
-    def to_json(self) -> dict:
-        d = asdict(self)
-        d["layers"] = [{**asdict(layer), "path": str(layer.path)} for layer in self.layers]
-        del d["config"]
-        return d
 
 
 def is_tarball_url(ref: str) -> bool:
@@ -85,6 +58,8 @@ def pull(ref: str, *, cache: BlobCache | None = None, options: RegistryOptions =
     transport = Transport(replace(options, bundle_dir=options.bundle_dir or cache.root))
     if is_tarball_url(ref):
         return _pull_tarball(ref, cache, transport, progress)
+    if is_local(ref):
+        return pull_local(ref, cache, platform)
     reference = parse_reference(ref)
     client = RegistryClient(reference, transport)
     platform = platform or Platform.host()

@@ -19,7 +19,7 @@ import json
 import os
 import sqlite3
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from image_builder import __version__
@@ -37,9 +37,17 @@ class IndexError_(ImageBuilderError):
 
 
 @dataclass(frozen=True)
+class Layer:
+    """An environment's overlay: what an environment built `from:` another adds over it."""
+    file: str  # relative to the store: envs/<build key>.sqfs (or the .sif, for what a build made)
+    sha256: str
+    size: int
+
+
+@dataclass(frozen=True)
 class EnvRecord:
     name: str
-    sif: str  # relative to the store
+    sif: str  # relative to the store: the bottom image (of the root of a `from:` chain)
     sha256: str
     size: int
     base: str
@@ -48,6 +56,15 @@ class EnvRecord:
     built_at: int
     env: dict[str, str] = field(default_factory=dict)
     catalog: str = ""  # the file name of the catalog that declares it ("" in indexes before it was kept)
+    overlays: tuple[Layer, ...] = ()  # over the sif, bottom to top: the chain's own layers
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return (self.sif, *(layer.file for layer in self.overlays))
+
+    @property
+    def digests(self) -> tuple[str, ...]:
+        return (self.sha256, *(layer.sha256 for layer in self.overlays))
 
 
 @dataclass(frozen=True)
@@ -71,6 +88,15 @@ class Index:
     builder_version: str = __version__
     created: int = field(default_factory=lambda: int(time.time()))
 
+    def file_sizes(self) -> dict[str, int]:
+        """Every image file the index names, once (environments share files), with its size."""
+        sizes = {}
+        for env in self.environments.values():
+            sizes[env.sif] = env.size
+            sizes.update((layer.file, layer.size) for layer in env.overlays)
+        sizes.update((inst.sqfs, inst.size) for inst in self.instances.values() if inst.sqfs)
+        return sizes
+
     def to_json(self) -> dict:
         return {"schema_version": SCHEMA_VERSION, "builder_version": self.builder_version, "created": self.created,
                 "environments": {k: asdict(v) for k, v in sorted(self.environments.items())},
@@ -83,7 +109,8 @@ def _check(cond: bool, where: str, what: str) -> None:
 
 
 _ENV_TYPES = {"name": str, "sif": str, "sha256": str, "size": int, "base": str, "base_digest": str,
-              "build_key": str, "built_at": int, "env": dict, "catalog": str}
+              "build_key": str, "built_at": int, "env": dict, "catalog": str, "overlays": (list, tuple)}
+_LAYER_TYPES = {"file": str, "sha256": str, "size": int}
 _INST_TYPES = {"id": str, "environment": str, "sqfs": (str, type(None)), "sha256": (str, type(None)), "size": int,
                "build_key": str, "workdir": str, "test_command": (str, type(None)), "grader": dict, "catalog": str}
 
@@ -115,6 +142,15 @@ def _store_path(rel: str | None, directory: str, suffix: str, where: str) -> Non
 
 def _no_nul(value: str | None, where: str) -> None:
     _check(value is None or "\0" not in value, where, "holds a NUL character")
+
+
+def _env(doc: object, where: str) -> EnvRecord:
+    rec = _record(EnvRecord, _ENV_TYPES, doc, where)
+    layers = tuple(_record(Layer, _LAYER_TYPES, layer, f"{where}.overlays[{i}]") for i, layer in enumerate(rec.overlays))
+    for i, layer in enumerate(layers):
+        _store_path(layer.file, "envs", ".sqfs", f"{where}.overlays[{i}].file")
+        _check(layer.size >= 0, f"{where}.overlays[{i}].size", "is negative")
+    return replace(rec, overlays=layers)
 
 
 def _checked_env(rec: EnvRecord, key: str, where: str) -> EnvRecord:
@@ -157,8 +193,7 @@ def parse_index(doc: object, where: str) -> Index:
     created, builder = doc.get("created", 0), doc.get("builder_version", "")
     _check(isinstance(created, int) and not isinstance(created, bool), f"{where}.created", "must be an integer")
     _check(isinstance(builder, str), f"{where}.builder_version", "must be a string")
-    envs = {k: _checked_env(_record(EnvRecord, _ENV_TYPES, v, f"{where}.environments[{shown_id(k)}]"), k,
-                            f"{where}.environments[{shown_id(k)}]")
+    envs = {k: _checked_env(_env(v, f"{where}.environments[{shown_id(k)}]"), k, f"{where}.environments[{shown_id(k)}]")
             for k, v in _mapping(doc, "environments", where).items()}
     insts = {k: _checked_instance(_record(InstanceRecord, _INST_TYPES, v, f"{where}.instances[{shown_id(k)}]"), k,
                                   f"{where}.instances[{shown_id(k)}]")
@@ -250,8 +285,7 @@ def lookup(store: Path, instance_id: str) -> tuple[InstanceRecord, EnvRecord] | 
         env = db.execute("SELECT doc FROM env WHERE name=?", (record.environment,)).fetchone()
         if env is None:
             return None
-        return record, _checked_env(_record(EnvRecord, _ENV_TYPES, json.loads(env[0]), LOOKUP_NAME),
-                                    record.environment, LOOKUP_NAME)
+        return record, _checked_env(_env(json.loads(env[0]), LOOKUP_NAME), record.environment, LOOKUP_NAME)
     except (sqlite3.Error, ValueError, RecursionError, TypeError, IndexError_):
         return None
     finally:

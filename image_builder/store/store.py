@@ -2,7 +2,8 @@
 
     STORE/
       index.json                 what the store holds (see index/schema.json)
-      envs/<name>.sif            one image per environment
+      envs/<key>.sif             one image per distinct environment, named by its build key
+      envs/<key>.sqfs            what an environment built `from:` another adds over it
       instances/<id>.sqfs        one overlay per instance
       logs/envs/<name>/          build logs, one file per script
       logs/instances/<id>.log
@@ -48,6 +49,8 @@ def remove_tree(path: Path) -> None:
 
     import shutil  # not on the run path
 
+    if path.name in ("", ".."):  # "", ".", "/" or "x/..": never a tree of ours, always a caller's bug
+        raise ImageBuilderError(f"refusing to remove {str(path)!r}")
     if path.is_symlink() or path.is_file():
         path.unlink()
     elif path.exists():
@@ -72,8 +75,13 @@ def remove_dead_work(root: Path) -> list[str]:
 class StorePaths:
     root: Path
 
-    def env_sif(self, name: str) -> Path:
-        return self.root / "envs" / f"{_path_name(name)}.sif"
+    def env_image(self, build_key: str, suffix: str = ".sif") -> Path:
+        """Environments are stored by build key: names with one key share one file (128 bits of it name the
+        file; the full key is in the image's labels and is what a rebuild compares)."""
+        algorithm, _, digest = build_key.partition(":")
+        if algorithm != "sha256" or len(digest) != 64 or not all(c in "0123456789abcdef" for c in digest):
+            raise ImageBuilderError(f"{build_key!r} is not a build key")
+        return self.root / "envs" / f"{digest[:32]}{suffix}"
 
     def instance_sqfs(self, instance_id: str) -> Path:
         return self.root / "instances" / f"{_path_name(instance_id)}.sqfs"
@@ -104,7 +112,7 @@ class ResolvedInstance:
     id: str
     environment: str
     env_sif: Path
-    overlays: tuple[Path, ...]  # instance layers, bottom to top
+    overlays: tuple[Path, ...]  # the environment's own layers, then the instance's, bottom to top
     env: dict[str, str]
     workdir: str
     test_command: str | None
@@ -156,10 +164,10 @@ class Store:
                 raise unknown
             found = inst, self.index.environments[inst.environment]
         inst, env = found
-        overlays = (self.root / inst.sqfs,) if inst.sqfs else ()
-        digests = (env.sha256, *((inst.sha256,) if inst.sqfs else ()))
-        return ResolvedInstance(inst.id, inst.environment, self.root / env.sif, overlays, env.env, inst.workdir,
-                                inst.test_command, inst.grader, digests)
+        files = (*env.files, *((inst.sqfs,) if inst.sqfs else ()))
+        digests = (*env.digests, *((inst.sha256,) if inst.sqfs else ()))
+        return ResolvedInstance(inst.id, inst.environment, self.root / files[0], tuple(self.root / f for f in files[1:]),
+                                env.env, inst.workdir, inst.test_command, inst.grader, digests)
 
 
 @dataclass
@@ -177,7 +185,7 @@ class VerifyReport:
 def _store_files(root: Path) -> set[str]:
     """Image files in the store's image directories, relative to the store."""
     found = set()
-    for sub, suffix in (("envs", ".sif"), ("instances", ".sqfs")):
+    for sub, suffix in (("envs", ".sif"), ("envs", ".sqfs"), ("instances", ".sqfs")):
         for p in (root / sub).glob(f"*{suffix}") if (root / sub).is_dir() else ():
             found.add(f"{sub}/{p.name}")
     return found
@@ -188,7 +196,7 @@ def verify(store: Store) -> VerifyReport:
     from image_builder.oci.cache import sha256_file
     report = VerifyReport()
     index = store.index
-    expected = {r.sif: r.sha256 for r in index.environments.values()}
+    expected = {f: d for r in index.environments.values() for f, d in zip(r.files, r.digests)}
     expected.update({r.sqfs: r.sha256 for r in index.instances.values() if r.sqfs})
     for rel, digest in sorted(expected.items()):
         report.checked += 1
@@ -206,7 +214,8 @@ def gc(store: Store, *, keep_failed: bool = False) -> list[str]:
     files, work trees of dead builds, and (unless keep_failed) failed builds. Returns what went."""
     removed = []
     index = store.index
-    referenced = {r.sif for r in index.environments.values()} | {r.sqfs for r in index.instances.values() if r.sqfs}
+    referenced = {f for r in index.environments.values() for f in r.files}
+    referenced |= {r.sqfs for r in index.instances.values() if r.sqfs}
     for rel in sorted(_store_files(store.root) - referenced):
         for p in (store.root / rel, (store.root / rel).with_suffix(".json")):
             if p.exists():

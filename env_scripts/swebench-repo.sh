@@ -1,0 +1,54 @@
+#!/bin/sh
+# The repository layers of a SWE-bench environment (swebench catalog): first the history a repository's
+# versions share, then per version the commits up to a merge-base of its instances, checked out in the
+# workdir and installed, as SWE-bench's setup_repo.sh does per instance. Each instance then checks out its
+# own base commit over it (swebench-instance.sh).
+#   REPO_BUNDLE   a bundle of refs/heads/image-builder and the tags on its history; without the file there
+#                 is nothing to add (optional)
+#   BASE_COMMIT   the commit to check out (optional: a history layer has no checkout)
+#   WORKDIR       where the repository goes (default: /testbed)
+#   PRE_INSTALL   shell commands run in the checkout before installing (optional)
+#   INSTALL       install command run in the checkout (optional); .git/image-builder-installed records
+#                 the commit it installed, for the instances
+set -eu
+# Editable installs put the checkout on sys.path (a .pth path entry), as the older setuptools of SWE-bench's
+# conda environments do: pylint's tests find its modules by path, and an editable finder hook broke 8 of
+# pylint-6506's tests.
+export PIP_CONFIG_SETTINGS="editable_mode=compat"
+export PIP_NO_CACHE_DIR=1  # a cache would be packed into the layer
+W="${WORKDIR:-/testbed}"
+mkdir -p "$W"
+cd "$W"
+if [ ! -d .git ]; then
+    git -c init.defaultBranch=main init -q
+    # Layers above check out and fetch over this one: no automatic gc or maintenance may repack (each
+    # layer would hold a copy of every pack), and stat data differs between mounts (content decides).
+    git config gc.auto 0
+    git config maintenance.auto false
+    git config core.checkStat minimal
+    git config core.trustctime false
+    # Graders commit and reset in this checkout; git wants an identity for that.
+    git config user.email image-builder@localhost
+    git config user.name image-builder
+fi
+if [ -n "${REPO_BUNDLE:-}" ] && [ -f "$REPO_BUNDLE" ]; then
+    git fetch -q --no-write-fetch-head "$REPO_BUNDLE" "+refs/heads/image-builder:refs/heads/image-builder" \
+        "+refs/tags/*:refs/tags/*"
+    git update-ref -d refs/heads/image-builder
+fi
+if [ -n "${BASE_COMMIT:-}" ]; then
+    git -c advice.detachedHead=false checkout -q --detach "$BASE_COMMIT"
+fi
+if [ -n "${PRE_INSTALL:-}" ]; then sh -ec "$PRE_INSTALL"; fi
+if [ -n "${INSTALL:-}" ]; then
+    # With the environment's packages held as they are: an install at this merge-base that would change them
+    # (an older commit asking for an older astroid than the spec's requirements pin) is left to each
+    # instance, at its own commit over the untouched environment, as SWE-bench installs.
+    python -m pip freeze --exclude-editable > /tmp/held.txt
+    if PIP_CONSTRAINT=/tmp/held.txt sh -ec "$INSTALL"; then
+        git rev-parse HEAD > .git/image-builder-installed
+    else
+        echo "image-builder: installing at $BASE_COMMIT would change the environment's packages; each instance installs at its own commit" >&2
+    fi
+    rm -f /tmp/held.txt
+fi

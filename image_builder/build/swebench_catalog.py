@@ -1,0 +1,427 @@
+"""A catalog for a whole SWE-bench-format dataset, from the `swebench` package's own specs.
+
+    image-builder swebench catalog DATASET.jsonl --repos DIR -o CATALOG.yaml
+
+Per repository and version the specs (`MAP_REPO_VERSION_TO_SPECS`, read at run
+time from the installed `swebench`, never copied here) give a Python, packages,
+pip_packages, pre_install, install and a test command. The catalog stacks them
+as layers, each stored once however many environments share it:
+
+    python-3.9                     base image + git + a venv (pip pinned)
+      <repo>-<version>-deps        the spec's packages (equal specs: one image)
+        <repo>-<version>           the repository's history up to the merge-base
+                                   of its instances' base commits, checked out
+                                   there, pre_install, install
+          <instance>               the checkout of base_commit: only the files
+                                   that differ, git's index, and the objects
+                                   between the merge-base and base_commit
+
+History is cut where SWE-bench cuts it: an environment holds only commits that
+every one of its instances may see (ancestors of each base commit), and an
+instance adds only its own base commit's ancestors, so no instance can read a
+later commit (the fix) out of `.git`. Tags come with the commits they point at
+(SWE-bench keeps tags older than the base commit; here: tags reachable from it).
+
+The bundles cut this way go into a context directory beside the catalog
+(`<catalog>.d/`). Specs that cannot be honoured here (conda environment.yml,
+non-Python specs, a Python with no base image, a missing commit) are reported
+per instance, one line each, and the rest is written.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib.util
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from image_builder.errors import ImageBuilderError
+from image_builder.store.files import atomic_write
+from image_builder.store.ids import file_name, id_problem
+from image_builder.tasks import RepoTask, load_tasks_with_rows, read_records
+
+DEFAULT_PYTHON_BASE = "docker.io/library/python:{python}-slim"
+DEFAULT_PIP = "pip==24.0"  # PEP 660 editable installs (>= 21.3), and still takes the old versions specs pin
+VENV = "/opt/venv"
+PATH = f"{VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+WORKDIR = "/testbed"
+COMMIT = re.compile(r"^[0-9a-f]{40}$")
+REPO = re.compile(r"^[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+$")
+# What makes an editable install stale: its metadata, or compiled extensions.
+REINSTALL_WHEN = "setup.py setup.cfg pyproject.toml *.pyx *.pxd *.c *.cpp *.h"
+
+
+class SpecError(ImageBuilderError):
+    pass
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One entry of SWE-bench's MAP_REPO_VERSION_TO_SPECS, as this builder takes it."""
+    python: str
+    requirements: tuple[str, ...]  # requirements files to read at environment_setup_commit ("packages")
+    packages: tuple[str, ...]  # pip requirements: "packages" given as a list, then pip_packages
+    pre_install: tuple[str, ...]
+    install: str
+    test_cmd: str
+    not_run: tuple[str, ...] = ()  # parts of the spec this builder does not carry out (said per instance)
+
+
+@dataclass
+class Generated:
+    catalog: Path
+    environments: int = 0
+    instances: int = 0
+    skipped: list[str] = field(default_factory=list)  # "<instance>: why", one per instance left out
+    notes: list[str] = field(default_factory=list)  # "<instance>: what of its spec is not carried out"
+
+
+def load_swebench() -> types.ModuleType:
+    """swebench.harness.constants, without running the package's __init__ (4.x imports docker, the
+    harness's imports datasets and modal): only the spec tables are needed."""
+    if "swebench.harness.constants" in sys.modules:  # loaded before (find_spec refuses our stub package)
+        return sys.modules["swebench.harness.constants"]
+    found = importlib.util.find_spec("swebench")
+    if found is None or not found.submodule_search_locations:
+        raise SpecError("the swebench package is not installed: pip install 'image_builder[swebench]' "
+                        "(or pip install --no-deps 'swebench>=3,<5')")
+    root = Path(list(found.submodule_search_locations)[0])
+    for name, where in (("swebench", root), ("swebench.harness", root / "harness")):
+        if name not in sys.modules:
+            stub = types.ModuleType(name)
+            stub.__path__ = [str(where)]
+            sys.modules[name] = stub
+    try:
+        import swebench.harness.constants as constants
+    except ImportError as e:
+        raise SpecError(f"cannot read swebench's constants ({e}); install swebench>=3,<5") from None
+    if not hasattr(constants, "MAP_REPO_VERSION_TO_SPECS"):
+        raise SpecError(f"swebench at {root} has no MAP_REPO_VERSION_TO_SPECS (5.x ships Dockerfiles instead of "
+                        "specs): pip install --no-deps 'swebench>=3,<5'")
+    return constants
+
+
+def log_parsers() -> dict[str, str]:
+    """Repository -> the name of SWE-bench's log parser for it (MAP_REPO_TO_PARSER_PY), read from the package's
+    log_parsers/python.py alone: its package imports the harness (datasets, docker), and the file itself
+    only names TestSpec for annotations."""
+    constants = load_swebench()
+    path = Path(constants.__file__).parents[1] / "log_parsers" / "python.py"
+    name = "swebench.harness.test_spec.test_spec"
+    stub = types.ModuleType(name)
+    stub.TestSpec = object
+    saved = {n: sys.modules.get(n) for n in (name, "swebench.harness.test_spec")}
+    sys.modules.setdefault("swebench.harness.test_spec", types.ModuleType("swebench.harness.test_spec"))
+    sys.modules[name] = stub
+    try:
+        spec = importlib.util.spec_from_file_location("image_builder._swebench_log_parsers", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return {repo: fn.__name__ for repo, fn in module.MAP_REPO_TO_PARSER_PY.items()}
+    except (OSError, ImportError, AttributeError, SyntaxError):
+        return {}  # an older or newer layout: graders then read the logs as plain pytest
+    finally:
+        for n, module in saved.items():
+            if module is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = module
+
+
+def spec_of(constants: types.ModuleType, repo: str, version: str) -> Spec | str:
+    """The Spec, or why the repository's spec cannot be honoured here."""
+    specs = constants.MAP_REPO_VERSION_TO_SPECS.get(repo)
+    if specs is None:
+        return f"swebench has no spec for repository {repo}"
+    raw: dict[str, Any] | None = specs.get(version)
+    if raw is None:
+        return f"swebench has no spec for {repo} version {version!r} (it has {', '.join(sorted(specs))})"
+    if "docker_specs" in raw or "python" not in raw:
+        return f"the spec for {repo} {version} is not a Python one (swebench builds it from a Dockerfile)"
+    packages = raw.get("packages", "")
+    if packages == "environment.yml":
+        return f"{repo} {version} needs a conda environment.yml (conda-only packages)"
+    requirements: tuple[str, ...] = ()
+    listed: tuple[str, ...] = ()
+    if packages == "requirements.txt":
+        requirements = tuple(getattr(constants, "MAP_REPO_TO_REQS_PATHS", {}).get(repo) or ("requirements.txt",))
+    elif packages:  # a conda package list: the same names on PyPI
+        listed = tuple(shlex.split(packages))
+    test_cmd = raw.get("test_cmd") or "pytest -rA"
+    if isinstance(test_cmd, list):
+        test_cmd = " && ".join(test_cmd)
+    not_run = [f"{key} ({raw[key]!r})" for key in ("eval_commands", "execute_test_as_nonroot", "no_use_env")
+               if raw.get(key)]
+    return Spec(str(raw["python"]), requirements, (*listed, *raw.get("pip_packages", ())),
+                tuple(raw.get("pre_install", ())), raw.get("install", ""), test_cmd, tuple(not_run))
+
+
+class Repository:
+    """A bare mirror of one repository's source (a bundle or a git directory), for cutting bundles."""
+
+    def __init__(self, source: Path, work: Path, exclude_tags: tuple[str, ...] = ()):
+        self.source = source
+        self.exclude_tags = exclude_tags
+        self.git_dir = work / (file_name(source.name) + ".git")
+        self._git("clone", "-q", "--mirror", str(source), str(self.git_dir), cwd=work)
+
+    def _git(self, *args: str, cwd: Path | None = None) -> str:
+        base = ["git", "-c", "core.hooksPath=/dev/null"] + ([] if cwd else ["--git-dir", str(self.git_dir)])
+        r = subprocess.run([*base, *args], capture_output=True, text=True, cwd=cwd)
+        if r.returncode:
+            why = (r.stderr.strip().splitlines() or ["no output"])[-1]
+            raise SpecError(f"{self.source}: git {args[0]} failed: {why}")
+        return r.stdout
+
+    def has_commit(self, commit: str) -> bool:
+        return subprocess.run(["git", "--git-dir", str(self.git_dir), "cat-file", "-e", f"{commit}^{{commit}}"],
+                              capture_output=True).returncode == 0
+
+    def merge_base(self, commits: list[str]) -> str:
+        return commits[0] if len(set(commits)) == 1 else self._git("merge-base", "--octopus", *commits).strip()
+
+    def show(self, commit: str, path: str) -> str | None:
+        r = subprocess.run(["git", "--git-dir", str(self.git_dir), "show", f"{commit}:{path}"],
+                           capture_output=True)
+        return r.stdout.decode("utf-8", "replace") if r.returncode == 0 else None
+
+    def _tags(self, merged: str, not_merged: str | None = None) -> list[str]:
+        args = ["tag", "--merged", merged] + (["--no-merged", not_merged] if not_merged else [])
+        return [f"refs/tags/{t}" for t in self._git(*args).split()
+                if not any(fnmatch.fnmatchcase(t, pattern) for pattern in self.exclude_tags)]
+
+    def bundle(self, dest: Path, head: str, since: str | None = None) -> bool:
+        """A bundle of `head`'s history (less `since`'s) and the tags on it, as refs/heads/image-builder;
+        False when there is nothing to add (head == since)."""
+        if since == head:
+            return False
+        self._git("update-ref", "refs/heads/image-builder", head)
+        refs = ["refs/heads/image-builder", *self._tags(head, since)]
+        tmp = dest.with_name(f".{dest.name}.tmp")
+        self._git("bundle", "create", "-q", str(tmp), *refs, *([f"^{since}"] if since else []))
+        tmp.replace(dest)
+        return True
+
+
+def requirements_text(repo: Repository, commit: str, paths: tuple[str, ...]) -> str | None:
+    """The spec's requirements file at `commit`, `-r` includes resolved, as SWE-bench's get_requirements
+    reads it (without `-e .`, comments and `.[test]` lines); None when no listed file exists."""
+    def keep(line: str) -> bool:
+        return not any(line.strip().startswith(x) for x in ("-e .", "#", ".[test"))
+
+    for path in paths:
+        text = repo.show(commit, path)
+        if text is None:
+            continue
+        folder = path.rpartition("/")[0]
+        lines, included = [], []
+        for line in text.splitlines():
+            if line.strip().startswith("-r"):
+                extra = repo.show(commit, f"{folder}/{line.strip()[2:].strip()}".lstrip("/"))
+                included += [x for x in (extra or "").splitlines() if keep(x)]
+            elif keep(line):
+                lines.append(line)
+        return "\n".join(included + lines) + "\n"
+    return None
+
+
+def _find_source(repos: Path, repo: str) -> Path | None:
+    owner, name = repo.split("/")
+    for candidate in (f"{name}.bundle", f"{owner}__{name}.bundle", name, f"{name}.git", f"{owner}/{name}",
+                      f"{owner}__{name}"):
+        if (repos / candidate).exists():
+            return repos / candidate
+    return None
+
+
+def slug(repo: str) -> str:
+    return repo.replace("/", "__")
+
+
+@dataclass(frozen=True)
+class CatalogOptions:
+    dataset: Path
+    repos: Path
+    out: Path
+    python: dict[str, str] = field(default_factory=dict)  # "3.9" -> base image reference
+    python_default: str = DEFAULT_PYTHON_BASE  # "{python}" template; "" = only the --python ones
+    apt: str = "git"  # Debian packages of every Python layer
+    pip: str = DEFAULT_PIP
+    # Tags not to copy (globs): a mirror's own helper tags are not upstream's, and a build tool reading the
+    # nearest tag as the version (setuptools_scm) fails on one that is not a version.
+    exclude_tags: tuple[str, ...] = ()
+
+
+def generate(opts: CatalogOptions) -> Generated:
+    constants = load_swebench()
+    parsers = log_parsers()
+    rows = {rid: record for rid, record in read_records(opts.dataset)}
+    result = Generated(opts.out)
+    # One instance per original task: ImpossibleBench variants share their original's.
+    wanted: dict[str, tuple[RepoTask, dict]] = {}
+    for row, task in load_tasks_with_rows(opts.dataset):
+        if not isinstance(task, RepoTask):
+            result.skipped.append(f"{row}: {getattr(task, 'reason', 'not a SWE-bench task')}")
+        elif task.original_id not in wanted:
+            wanted[task.original_id] = task, rows.get(row) or {}
+    groups: dict[tuple[str, str], list[tuple[RepoTask, dict]]] = {}
+    for iid, (task, record) in sorted(wanted.items()):
+        problem = id_problem(iid) or (None if REPO.match(task.repo) else f"repo {task.repo!r} is not owner/name")
+        if problem:
+            result.skipped.append(f"{iid}: {problem}")
+            continue
+        groups.setdefault((task.repo, task.version), []).append((task, record))
+
+    context = opts.out.with_name(opts.out.stem + ".d")
+    environments: list[dict] = []
+    sets: dict[tuple[str, str, str, str], list[str]] = {}  # (repo, test_cmd, install, pre_install) -> ids
+    with tempfile.TemporaryDirectory(prefix="ib-swebench-") as tmp:
+        mirrors: dict[str, Repository | str] = {}
+        usable = []  # (repo, version, spec, base, mirror, requirements, members) that can be built
+        for (repo, version), members in groups.items():
+            if repo not in mirrors:
+                source = _find_source(opts.repos, repo)
+                try:
+                    mirrors[repo] = Repository(source, Path(tmp), opts.exclude_tags) if source else \
+                        f"no repository for {repo} in {opts.repos} (a {repo.split('/')[1]}.bundle or clone)"
+                except SpecError as e:
+                    mirrors[repo] = str(e)
+            found = _usable(constants, opts, repo, version, members, mirrors[repo])
+            if isinstance(found, str):
+                result.skipped.extend(f"{t.original_id}: {found}" for t, _ in members)
+            else:
+                usable.append((repo, version, *found, members))
+
+        python_envs: set[str] = set()
+        histories: dict[tuple[str, str], str] = {}  # (repo, python) -> its history environment's merge-base
+        for repo, version, spec, base, mirror, requirements, members in usable:
+            python_env = f"python-{spec.python}"
+            if python_env not in python_envs:
+                python_envs.add(python_env)
+                environments.append({"name": python_env, "base": base, "scripts": ["apt-packages.sh", "python-venv.sh"],
+                                     "env": {"APT_PACKAGES": opts.apt, "VENV": VENV, "PATH": PATH,
+                                             "PIP_VERSION": opts.pip}})
+            # The repository's history shared by all its versions on this Python: up to the merge-base of
+            # every one of their instances' base commits (what each of them may see).
+            history = f"{slug(repo)}-py{spec.python}-history"
+            if (repo, spec.python) not in histories:
+                shared = mirror.merge_base([t.base_commit for r, _, sp, _, _, _, ms in usable
+                                            if r == repo and sp.python == spec.python for t, _ in ms])
+                histories[repo, spec.python] = shared
+                environments.append(_repo_env(history, python_env, context / "envs" / history, opts.out,
+                                              mirror, shared, None, {}))
+            env_name = f"{slug(repo)}-{version}"
+            deps_dir = context / "envs" / f"{env_name}-deps"
+            deps_dir.mkdir(parents=True, exist_ok=True)
+            _write_if_changed(deps_dir / "requirements.txt", requirements)
+            environments.append({"name": f"{env_name}-deps", "from": history, "scripts": ["python-venv.sh"],
+                                 "env": {"PYTHON_PACKAGES": " ".join(spec.packages)},
+                                 "context": _relative(deps_dir, opts.out.parent)})
+            merge_base = mirror.merge_base([t.base_commit for t, _ in members])
+            environments.append(_repo_env(env_name, f"{env_name}-deps", context / "envs" / env_name, opts.out, mirror,
+                                          merge_base, histories[repo, spec.python],
+                                          {"BASE_COMMIT": merge_base, "PRE_INSTALL": "\n".join(spec.pre_install),
+                                           "INSTALL": spec.install}))
+            for task, _ in members:
+                inst_dir = context / "instances" / file_name(task.original_id)
+                inst_dir.mkdir(parents=True, exist_ok=True)
+                _bundle_once(mirror, inst_dir / "commits.bundle", task.base_commit, merge_base)
+                sets.setdefault((repo, spec.test_cmd, spec.install, "\n".join(spec.pre_install)), []).append(
+                    task.original_id)
+            result.notes += [f"{t.original_id}: not carried out: {'; '.join(spec.not_run)}" for t, _ in members
+                             if spec.not_run]
+            result.environments += 1
+            result.instances += len(members)
+
+    doc = {"environments": environments,
+           "instance_sets": [{"from": _relative(opts.dataset, opts.out.parent),
+                              "only": {"instance_id": sorted(ids)},
+                              "environment": "{repo_slug}-{version}", "script": "swebench-instance.sh",
+                              "context": _relative(context / "instances", opts.out.parent) + "/{instance_file}",
+                              "env": {"BASE_COMMIT": "{base_commit}", "INSTALL": install, "PRE_INSTALL": pre_install,
+                                      "REINSTALL_WHEN": REINSTALL_WHEN},
+                              "workdir": WORKDIR, "test_command": test_cmd, "timeout": 3600,
+                              **({"grader": {"log_parser": parsers[repo]}} if repo in parsers else {})}
+                             for (repo, test_cmd, install, pre_install), ids in sorted(sets.items())]}
+    header = (f"# Generated by image-builder swebench catalog from {opts.dataset.name} and the specs of swebench "
+              f"{_swebench_version()}.\n# {result.environments} repository environments, {result.instances} "
+              f"instances; left out: {len(result.skipped)}.\n")
+    if not environments:
+        raise SpecError(f"{opts.dataset}: no instance can be built; first: {(result.skipped or ['no tasks'])[0]}")
+    text = header + yaml.safe_dump(doc, sort_keys=False, width=120)
+    atomic_write(opts.out, lambda f: f.write(text.encode()))
+    return result
+
+
+def _usable(constants: types.ModuleType, opts: CatalogOptions, repo: str, version: str, members: list,
+            mirror: Repository | str) -> tuple[Spec, str, Repository, str | None] | str:
+    """(spec, base image, repository, requirements text) for one repo and version, or why it cannot be built."""
+    spec = spec_of(constants, repo, version)
+    if isinstance(spec, str):
+        return spec
+    base = opts.python.get(spec.python) or (opts.python_default.format(python=spec.python)
+                                            if opts.python_default else "")
+    if not base:
+        return f"no base image for Python {spec.python} (give --python {spec.python}=IMAGE)"
+    if isinstance(mirror, str):
+        return mirror
+    setup_commit = str(members[0][1].get("environment_setup_commit") or members[0][0].base_commit)
+    for commit in sorted({setup_commit, *(t.base_commit for t, _ in members)}):
+        if not COMMIT.match(commit) or not mirror.has_commit(commit):
+            return f"commit {commit[:40]!r} is not in {mirror.source}"
+    requirements = None
+    if spec.requirements:
+        requirements = requirements_text(mirror, setup_commit, spec.requirements)
+        if requirements is None:
+            return f"none of {', '.join(spec.requirements)} exists at {setup_commit[:12]} in {mirror.source}"
+    return spec, base, mirror, requirements
+
+
+def _repo_env(name: str, parent: str, context: Path, catalog: Path, mirror: Repository, head: str,
+              since: str | None, env: dict[str, str]) -> dict:
+    """An environment adding the commits from `since` to `head` to the repository (swebench-repo.sh)."""
+    context.mkdir(parents=True, exist_ok=True)
+    _bundle_once(mirror, context / "repo.bundle", head, since)
+    return {"name": name, "from": parent, "scripts": ["swebench-repo.sh"],
+            "env": {"REPO_BUNDLE": "/build/repo.bundle", **env}, "context": _relative(context, catalog.parent),
+            "timeout": 3600}
+
+
+def _relative(path: Path, start: Path) -> str:
+    import os
+    return os.path.relpath(path.resolve(), start.resolve())
+
+
+def _write_if_changed(path: Path, text: str | None) -> None:
+    """Context files keep their bytes (and so the build key) when regenerated unchanged."""
+    if text is None:
+        path.unlink(missing_ok=True)
+    elif not path.is_file() or path.read_text() != text:
+        atomic_write(path, lambda f: f.write(text.encode()))
+
+
+def _bundle_once(repo: Repository, dest: Path, head: str, since: str | None = None) -> None:
+    """Cut a bundle unless the one there already holds `head` (a rerun keeps its bytes, and the build key)."""
+    marker, what = dest.with_suffix(".head"), f"{head} {since or ''} {' '.join(repo.exclude_tags)}"
+    if marker.is_file() and marker.read_text() == what and (dest.is_file() or head == since):
+        return
+    if not repo.bundle(dest, head, since):
+        dest.unlink(missing_ok=True)
+    marker.write_text(what)
+
+
+def _swebench_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("swebench")
+    except PackageNotFoundError:
+        return "(unknown version)"

@@ -1,0 +1,135 @@
+"""`image-builder swebench catalog`: specs from the swebench package, history cut per layer, reports."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+from image_builder.build.catalog import load
+from tests.conftest import run_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "index/data"
+MARSHMALLOW = DATA / "swebench_marshmallow.jsonl"
+
+
+def generate(tmp: Path, dataset: Path, *extra: str) -> subprocess.CompletedProcess:
+    return run_cli("swebench", "catalog", str(dataset), "--repos", str(DATA / "repos"), "-o",
+                   str(tmp / "swe.yaml"), "--python", "3.9=registry.example/python:3.9", "--python-default", "",
+                   *extra)
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True).stdout
+
+
+def test_catalog_from_the_specs_layers_history_and_builds_each_instance_once(tmp_path):
+    r = generate(tmp_path, MARSHMALLOW)
+    assert r.returncode == 0, r.stderr
+    assert "2 repository environments, 2 instances (0 left out)" in r.stdout
+    cat = load(tmp_path / "swe.yaml")
+    envs = cat.environments
+    slug = "marshmallow-code__marshmallow"
+    assert list(envs) == ["python-3.9", f"{slug}-py3.9-history", f"{slug}-2.20-deps", f"{slug}-2.20",
+                          f"{slug}-3.0-deps", f"{slug}-3.0"]
+    assert envs["python-3.9"].base == "registry.example/python:3.9" and envs["python-3.9"].env["PIP_VERSION"]
+    assert envs[f"{slug}-3.0"].parent == f"{slug}-3.0-deps" and envs[f"{slug}-3.0-deps"].parent.endswith("history")
+    # From swebench's MAP_REPO_VERSION_TO_SPECS, not from this repository.
+    assert envs[f"{slug}-3.0"].env["INSTALL"] == "python -m pip install -e '.[dev]'"
+    # ImpossibleBench's variants of 1359 share its instance.
+    assert sorted(cat.instances) == [f"{slug}-1343", f"{slug}-1359"]
+    inst = cat.instances[f"{slug}-1359"]
+    assert inst.environment == f"{slug}-3.0" and inst.workdir == "/testbed" and inst.test_command == "pytest -rA"
+    assert inst.context.name == f"{slug}-1359" and inst.env["BASE_COMMIT"] == inst.grader["base_commit"]
+    assert inst.grader["log_parser"] == "parse_log_pytest", "SWE-bench's parser for the repository, by name"
+
+
+def test_no_layer_holds_a_commit_its_instance_may_not_see(tmp_path):
+    """SWE-bench hides every commit after the base commit (the fix among them): the layers an instance
+    stacks (history, version, instance) must hold only ancestors of its base commit."""
+    assert generate(tmp_path, MARSHMALLOW).returncode == 0
+    cat = load(tmp_path / "swe.yaml")
+    for inst in cat.instances.values():
+        repo = tmp_path / f"check-{inst.id}"
+        git(tmp_path, "init", "-q", str(repo))
+        env = cat.environments[inst.environment]
+        chain = [env]
+        while chain[-1].parent:
+            chain.append(cat.environments[chain[-1].parent])
+        bundles = [e.context / "repo.bundle" for e in reversed(chain) if e.context and (e.context / "repo.bundle").exists()]
+        bundles += [inst.context / "commits.bundle"] if (inst.context / "commits.bundle").exists() else []
+        assert bundles, "at least the history layer"
+        for bundle in bundles:
+            git(repo, "fetch", "-q", str(bundle), "+refs/heads/image-builder:refs/heads/image-builder",
+                "+refs/tags/*:refs/tags/*")
+        base = inst.env["BASE_COMMIT"]
+        assert git(repo, "rev-parse", "refs/heads/image-builder").strip() == base
+        objects = git(repo, "cat-file", "--batch-all-objects", "--batch-check=%(objecttype) %(objectname)")
+        commits = {line.split()[1] for line in objects.splitlines() if line.startswith("commit ")}
+        visible = set(git(repo, "rev-list", base).split())
+        assert commits and commits <= visible, f"{inst.id}: {len(commits - visible)} commits after its base"
+
+
+def test_specs_that_cannot_be_honoured_are_reported_per_instance(tmp_path):
+    rows = [json.loads(line) for line in MARSHMALLOW.read_text().splitlines()]
+    good = rows[1]
+    bad = [
+        {**good, "instance_id": "nobody__nothing-1", "repo": "nobody/nothing"},
+        {**good, "instance_id": "marshmallow-code__marshmallow-9", "version": "0.1"},
+        {**good, "instance_id": "matplotlib__matplotlib-1", "repo": "matplotlib/matplotlib", "version": "3.5"},
+        {**good, "instance_id": "marshmallow-code__marshmallow-8", "version": "3.1", "base_commit": "0" * 40},
+        {**good, "instance_id": "pallets__flask-1", "repo": "pallets/flask", "version": "2.0"},
+        {**good, "instance_id": "pallets__flask-2", "repo": "pallets/flask", "version": "2.3"},
+    ]
+    dataset = tmp_path / "mixed.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in [good, *bad]))
+    r = generate(tmp_path, dataset)
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == len(bad), lines
+    assert "left out: nobody__nothing-1: swebench has no spec for repository nobody/nothing" in lines
+    assert any(line.startswith("left out: marshmallow-code__marshmallow-9: swebench has no spec for "
+                               "marshmallow-code/marshmallow version '0.1'") for line in lines)
+    assert "left out: matplotlib__matplotlib-1: matplotlib/matplotlib 3.5 needs a conda environment.yml " \
+           "(conda-only packages)" in lines
+    assert any(line.startswith("left out: marshmallow-code__marshmallow-8: commit '0000") for line in lines)
+    assert any(line.startswith("left out: pallets__flask-1: no repository for pallets/flask") for line in lines)
+    assert "left out: pallets__flask-2: no base image for Python 3.11 (give --python 3.11=IMAGE)" in lines
+    assert sorted(load(tmp_path / "swe.yaml").instances) == [good["instance_id"]], "the rest is built"
+
+    r = run_cli("swebench", "catalog", str(MARSHMALLOW), "--repos", str(DATA / "repos"), "-o",
+                str(tmp_path / "none.yaml"), "--python-default", "")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "no instance can be built; first: marshmallow-code__marshmallow-1343: no base image for Python 3.9 " \
+           "(give --python 3.9=IMAGE)" in r.stderr
+    assert not (tmp_path / "none.yaml").exists()
+
+
+def test_rerun_keeps_the_bundles_and_so_the_build_keys(tmp_path):
+    assert generate(tmp_path, MARSHMALLOW).returncode == 0
+    bundles = sorted((tmp_path / "swe.d").rglob("*.bundle"))
+    stamps = [p.stat().st_mtime_ns for p in bundles]
+    text = (tmp_path / "swe.yaml").read_text()
+    assert generate(tmp_path, MARSHMALLOW).returncode == 0
+    assert [p.stat().st_mtime_ns for p in bundles] == stamps
+    assert (tmp_path / "swe.yaml").read_text() == text
+
+
+def test_a_per_task_context_cannot_climb_out_of_its_template(tmp_path):
+    """The dataset's fields fill the template: a version of "../../outside" must not bind a host directory
+    outside the catalog's context folder into the build."""
+    row = json.loads(MARSHMALLOW.read_text().splitlines()[1])
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "ctx" / "3.0").mkdir(parents=True)
+    dataset = tmp_path / "d.jsonl"
+    dataset.write_text(json.dumps({**row, "version": "../../outside"}) + "\n")
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts/s.sh").write_text("true\n")
+    catalog = tmp_path / "c.yaml"
+    catalog.write_text(
+        "scripts_dir: scripts\nenvironments:\n  - {name: e, base: 'docker.io/library/debian:12', scripts: [s.sh]}\n"
+        "instance_sets:\n  - {from: d.jsonl, environment: e, context: 'ctx/sub/{version}'}\n")
+    r = run_cli("check", str(catalog))
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "outside" in r.stderr and "fix the task's fields in the dataset" in r.stderr, r.stderr

@@ -1,0 +1,85 @@
+"""SWE-bench Lite instances of pytest and pylint (../shared/data), from `swebench catalog` to verdicts.
+
+The bundles (30 and 36 MB) stay in ../shared, which CI has. All 23 instances (13 repository versions) are
+built on one Debian bullseye base (Python 3.9, what the specs of both ask for): the gold patch must resolve
+each, the empty patch none, equal specs must share one image, and each instance overlay must hold only what
+differs from its environment. About 3 minutes of building and 2 of grading.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+from image_builder.build.catalog import load
+from image_builder.build.envbuild import BuildOptions
+from image_builder.build.storebuild import StoreBuildOptions, build_store
+from image_builder.oci.cache import BlobCache
+from image_builder.oci.registry import RegistryOptions
+from image_builder.store.store import Store
+from tests.conftest import ROOT, run_cli
+from tests.test_grading import grade, results
+
+SHARED = Path(os.environ.get("IMAGE_BUILDER_SHARED_DATA", ROOT.parent / "shared/data"))
+
+
+def overlay_files(image: Path) -> dict[str, int]:
+    """Regular files of a squashfs image: path -> size."""
+    listing = subprocess.run(["unsquashfs", "-lls", str(image)], capture_output=True, text=True, check=True).stdout
+    found = {}
+    for line in listing.splitlines():
+        m = re.match(r"^-\S+\s+\S+\s+(\d+)\s+\S+\s+\S+\s+squashfs-root/(.*)$", line)
+        if m:
+            found[m.group(2)] = int(m.group(1))
+    return found
+
+
+def test_dev_instances_build_thin_and_gold_resolves(tmp_path, registries, debian_bullseye_base):
+    assert (SHARED / "swebench_dev.jsonl").is_file(), f"{SHARED}: the shared sample data (set IMAGE_BUILDER_SHARED_DATA)"
+    rows = [json.loads(line) for line in (SHARED / "swebench_dev.jsonl").read_text().splitlines()]
+    dataset = SHARED / "swebench_dev.jsonl"
+    r = run_cli("swebench", "catalog", str(dataset), "--repos", str(SHARED / "repos"), "-o",
+                str(tmp_path / "swe/dev.yaml"), "--python", f"3.9={debian_bullseye_base}", "--python-default", "",
+                "--exclude-tags", "ib/*")  # the bundles tag the commits they hold as ib/cN: not upstream tags
+    assert r.returncode == 0 and "13 repository environments, 23 instances (0 left out)" in r.stdout, r.stderr
+    build = BuildOptions(store=tmp_path / "store", cache=BlobCache(tmp_path / "cache"),
+                         registry=RegistryOptions(ca_cert=registries.tls.cert))
+    summary = build_store(load(tmp_path / "swe/dev.yaml"), StoreBuildOptions(build, jobs=2))
+    assert not summary.failed, [(f.message, f.tail[-5:]) for f in summary.failed]
+    # pytest 5.0 and 5.2 pin the same packages: one image for both.
+    assert ("pytest-dev__pytest-5.0-deps", ["pytest-dev__pytest-5.2-deps"]) in summary.shared, summary.shared
+
+    store = Store.open(tmp_path / "store")
+    index = store.index
+    assert len({e.sif for e in index.environments.values()}) == 1, "one Python base under every environment"
+    for inst in index.instances.values():
+        resolved = store.resolve(inst.id)
+        assert len(resolved.layers) == 5, "python (the sif), then history, deps, version and instance overlays"
+        files = overlay_files(resolved.overlays[-1])
+        objects = {path: size for path, size in files.items() if path.startswith("testbed/.git/objects/")}
+        below = {path: size for layer in resolved.overlays[:-1] for path, size in overlay_files(layer).items()
+                 if path.startswith("testbed/.git/objects/")}
+        # Only its own commits since the environment's checkout: no object file of the history below it
+        # (no copied-up pack), and a small fraction of its bytes.
+        assert not set(objects) & set(below), (inst.id, sorted(set(objects) & set(below))[:3])
+        assert sum(objects.values()) * 10 < sum(below.values()), (inst.id, sum(objects.values()))
+        assert "testbed/.git/index" in files and inst.size < 4_000_000, (inst.id, inst.size)
+
+    gold = tmp_path / "gold.jsonl"
+    gold.write_text("".join(json.dumps({"instance_id": r["instance_id"], "model_patch": r["patch"]}) + "\n"
+                            for r in rows))
+    out = tmp_path / "gold-results.jsonl"
+    g = grade(tmp_path / "store", dataset, gold, out, "-j", "2")
+    assert g.returncode == 0, g.stderr
+    got = results(out)
+    unresolved = {k: v["reason"] for k, v in got.items() if not v["repo"]["resolved"]}
+    assert not unresolved, unresolved
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("".join(json.dumps({"instance_id": r["instance_id"], "model_patch": ""}) + "\n"
+                             for r in rows))
+    out_empty = tmp_path / "empty-results.jsonl"
+    assert grade(tmp_path / "store", dataset, empty, out_empty, "-j", "2").returncode == 0
+    assert not any(v["repo"]["resolved"] for v in results(out_empty).values())
