@@ -10,10 +10,10 @@ APT_RUNTIME = python3-venv squashfs-tools squashfuse fuse-overlayfs fuse3 proot 
 # To build image_builder/runtime/native: squashfuse_cached, and image-builder-init (static with musl:
 # glibc's start-up probes the CPU with cpuid, a VM exit each; 0.1 ms per init against 0.5).
 APT_BUILD   = gcc libc6-dev pkg-config libfuse3-dev libsquashfuse-dev musl-tools
-APT_TEST    = docker-registry siftool skopeo debootstrap openssl munge slurmctld slurmd slurm-client
+APT_TEST    = docker-registry siftool skopeo umoci debootstrap openssl munge slurmctld slurmd slurm-client
 # One binary per package, to tell whether the packages are already there.
 APT_PROBES  = mksquashfs musl-gcc squashfuse_ll fuse-overlayfs proot unshare git docker-registry siftool skopeo debootstrap openssl \
-              munged slurmctld slurmd sbatch
+              umoci munged slurmctld slurmd sbatch
 
 .PHONY: all setup host venv native test demo bench clean
 
@@ -57,8 +57,9 @@ test: setup
 demo: setup
 	$(PY) -m image_builder.devtools.demo
 
+# `make bench` runs every area; `make bench AREAS="store imports"` some, keeping the others' figures.
 bench: setup
-	$(PY) -m bench.run
+	$(PY) -m bench.run $(AREAS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

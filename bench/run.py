@@ -11,7 +11,22 @@ import traceback
 
 from bench.common import ROOT
 
-AREAS = ["pull", "build", "store", "runtime", "graders", "slurm"]
+AREAS = ["pull", "build", "store", "imports", "runtime", "graders", "slurm"]
+
+
+def kept_sections(measured: set[str]) -> dict[str, list[str]]:
+    """The sections of the RESULTS.md there now, by area, but those measured now: `make bench AREAS=...`
+    replaces only its own, and an area that failed keeps its last figures."""
+    path = ROOT / "bench" / "RESULTS.md"
+    sections: dict[str, list[str]] = {}
+    current = None
+    for line in path.read_text().splitlines() if path.exists() else ():
+        if line.startswith("## "):
+            current = line[3:].strip()
+            sections[current] = []
+        if current and current not in measured:
+            sections[current].append(line)
+    return {k: v for k, v in sections.items() if k not in measured}
 
 
 def main() -> int:
@@ -35,8 +50,15 @@ def main() -> int:
     lines = ["# Benchmark results", "",
              f"{os.cpu_count()} cores, {platform.machine()}, {platform.platform()}, "
              f"{time.strftime('%Y-%m-%d %H:%M')}. Produced by `make bench`; each row is this project "
-             "against its peer measured in the same run, the ratio being ours / peer.", ""]
-    for r in sections:
+             "against its peer measured in the same run, the ratio being ours / peer. Areas not run this "
+             "time (`make bench AREAS=...`) keep their earlier figures; bench/out/AREA.json dates each.", ""]
+    ran = {r.area: r for r in sections}
+    kept = kept_sections(set(ran))
+    for area in [a for a in AREAS if a in ran or a in kept] + [a for a in kept if a not in AREAS]:
+        if area not in ran:
+            lines += kept[area]  # measured by an earlier run (its own date is in bench/out/AREA.json)
+            continue
+        r = ran[area]
         lines += [f"## {r.area}", "", "| what | image_builder | peer | peer value | ratio | goal |",
                   "|---|---|---|---|---|---|"]
         lines += [f"| {row.what} | {row.ours:.3f} {row.unit} | {row.peer_name} | {row.peer:.3f} {row.unit} | "

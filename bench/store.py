@@ -51,7 +51,7 @@ def write_catalog(work: Path, base: str, instances: list[dict]) -> Path:
         context.mkdir()
         os.link(BUNDLE, context / "marshmallow.bundle")
         (context / "id.txt").write_text("task\n")
-    path = work / f"catalog-{len(instances)}.yaml"
+    path = work / "catalog.yaml"  # one catalog, rewritten: the store's items belong to it
     path.write_text(yaml.safe_dump({
         "scripts_dir": str(ROOT / "env_scripts"),
         "environments": [{"name": "marshmallow", "base": base, "scripts": ["python-venv.sh"],

@@ -389,7 +389,7 @@ _CAPPED = 125  # run's exit status when the output went over --max-output (124 i
 
 @main.command(context_settings={"allow_interspersed_args": False})
 @click.argument("instance")
-@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @store_option
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), help="Seconds; kills the whole process tree.")
 @click.option("--memory", type=click.IntRange(1), metavar="MB", help="Memory limit.")
@@ -412,7 +412,8 @@ def run(instance, command, store, timeout, memory, net, binds, env_vars, workdir
     Layers are read-only and each run gets a fresh throwaway layer. Output is
     passed on as it comes and stdin read as the command reads it (a file given
     on stdin is copied first, so the command sees a regular file). Put `--`
-    before COMMAND when it has options of its own.
+    before COMMAND when it has options of its own. Without COMMAND, the instance's default command (an
+    imported image's Entrypoint and Cmd).
 
     Exit status: the command's (128+N when signal N killed it); 124 when
     --timeout stopped it; 125 when its output went over --max-output. With
@@ -425,9 +426,12 @@ def run(instance, command, store, timeout, memory, net, binds, env_vars, workdir
     from image_builder.runtime.session import Backend, OutputCapped
     if command and command[0] == "--":  # options stop at INSTANCE, so click passes `--` on
         command = command[1:]
-    if not command:
-        raise click.UsageError("name the COMMAND to run")
     layers, _ = _layers(store, instance, None)
+    if not command:
+        from image_builder.store.store import Store
+        command = Store.open(store).resolve(instance).command
+    if not command:
+        raise click.UsageError(f"name the COMMAND to run ({instance} has no default command)")
     env = dict(v.split("=", 1) for v in env_vars if "=" in v)
     request = RunRequest(tuple(command), env=env, workdir=workdir, timeout=timeout, memory_mb=memory,
                          network=net, max_output=max_output)
@@ -745,6 +749,47 @@ def index_merge(store):
     from image_builder.build.storebuild import merge_fragments
     path, count = merge_fragments(store)
     click.echo(f"merged {count} fragments into {path}")
+
+
+@main.command(name="import")
+@click.argument("refs", nargs=-1)
+@store_option
+@click.option("--from-file", "list_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Images to import, one `REF [INSTANCE_ID [WORKDIR]]` a line.")
+@click.option("--env-layers", "env_layers", multiple=True, metavar="[GLOB=]N",
+              help="The first N layers of every image (or of those whose reference matches GLOB; the first rule "
+              "that matches wins) are its environment. Default: the longest prefix it shares with another image.")
+@click.option("--id-from", metavar="TEMPLATE", help="Instance ids from the references, e.g. "
+              "'docker.io/swebench/sweb.eval.x86_64.{instance_id}:latest' (SWE-bench's _1776_ read as __).")
+@click.option("-j", "--jobs", type=click.IntRange(1), default=2, show_default=True, help="Images pulled at once.")
+@click.option("--shard", metavar="K/N", help="Import the K-th of N slices (instances in id order) into an index "
+              "fragment; `image-builder index merge` joins the slices'.")
+@registry_options
+@_one_line_errors
+def import_command(refs, store, list_file, env_layers, id_from, jobs, shard, cache_dir, ca_cert, plain_http,
+                   insecure_tls):
+    """Import prebuilt images into STORE: shared bottom layers as one environment, what each image adds as
+    its instance's overlay."""
+    from image_builder.build.envbuild import BuildOptions
+    from image_builder.build.imports import ImportItem, ImportOptions, import_images, read_list
+    from image_builder.oci.cache import BlobCache
+    items = [ImportItem(r) for r in refs] + (read_list(list_file) if list_file else [])
+    rules = []
+    for rule in env_layers:
+        pattern, _, n = rule.rpartition("=")
+        if not n.isdigit():
+            raise click.BadParameter(f"{rule!r}: expected N or GLOB=N", param_hint="--env-layers")
+        rules.append((pattern or None, int(n)))
+    if not items:
+        raise click.UsageError("give image references, or --from-file LIST")
+    build = BuildOptions(store=store, cache=BlobCache(cache_dir), registry=_make_options(ca_cert, plain_http,
+                                                                                          insecure_tls))
+    summary = import_images(items, ImportOptions(build, tuple(rules), id_from, jobs, _parse_shard(shard)))
+    for name, ids in summary.environments.items():
+        click.echo(f"{name}: {len(ids)} instances ({', '.join(ids[:3])}{', ...' if len(ids) > 3 else ''})")
+    click.echo(f"{len(items)} images, {len(summary.environments)} environments; store {_human(summary.store_bytes)} "
+               f"against {_human(summary.image_bytes)} of image layers ({_human(summary.fetched_bytes)} fetched, "
+               f"the rest from the cache); {summary.seconds:.1f} s; index: {summary.index}")
 
 
 @main.group(name="base")

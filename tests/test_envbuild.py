@@ -323,6 +323,26 @@ def test_rootless_userns_build_with_apt_and_venv(public_dir, debian_base, public
     assert " 0/0 " in listing, "a rootless image's files must belong to root inside"
 
 
+def test_rootless_layered_build_shares_and_stacks(public_dir, tiny_base, public_ca):
+    """As uid 65534 in a user namespace: two names with one key share an image, a `from:` environment and
+    an instance over it are overlays, and the runtime (rootless, squashfuse per layer) stacks all three."""
+    from tests.test_store import LAYERED_SCRIPTS, layered_catalog
+    work = public_dir / "layered"
+    work.mkdir()
+    cat = layered_catalog(work, tiny_base)
+    for p in work.rglob("*"):
+        p.chmod(0o777 if p.is_dir() else 0o666)
+    r = unprivileged_build(work, cat, public_ca, "userns")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "py-copy: same environment as py (one image)" in r.stdout
+    index = Store.open(work / "store").index
+    assert len(index.environments["tool-a"].overlays) == 1 and sorted(LAYERED_SCRIPTS) == sorted(
+        p.name for p in (work / "scripts").iterdir())
+    run = run_cli("run", "--store", str(work / "store"), "a-1", "--", "sh", "-c", "cat /etc/tool /etc/task",
+                  user=65534, env={"HOME": str(work), "XDG_RUNTIME_DIR": str(work / "run")})
+    assert run.returncode == 0 and run.stdout == "a\na 1\n", run.stdout + run.stderr
+
+
 def test_rootless_proot_build(public_dir, tiny_base, public_ca):
     work = public_dir / "proot"
     work.mkdir()

@@ -84,6 +84,22 @@ def test_base_debian_writes_a_layout_catalogs_use(tmp_path):
     assert out == "(3, 11)\nbuilt-here\n"
 
 
+def test_our_layouts_are_what_umoci_and_skopeo_read(tmp_path):
+    """A layout written here (image-builder base debian's) unpacks with umoci: its config lists the layers'
+    diff_ids, as the image spec asks (umoci indexes them)."""
+    from image_builder.oci.layout import rootfs_layer, write_layout
+    from tests.support.bases import tiny_rootfs
+    layer = rootfs_layer(tiny_rootfs(tmp_path / "root"), tmp_path / "root.tar.gz")
+    write_layout(tmp_path / "layout", "tiny", [layer])
+    r = subprocess.run(["umoci", "raw", "unpack", "--rootless", "--image", f"{tmp_path / 'layout'}:tiny",
+                        str(tmp_path / "unpacked")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-500:]
+    assert (tmp_path / "unpacked/usr/bin/dash").is_file()
+    inspect = subprocess.run(["skopeo", "inspect", "--config", f"oci:{tmp_path / 'layout'}:tiny"],
+                             capture_output=True, text=True, check=True)
+    assert len(json.loads(inspect.stdout)["rootfs"]["diff_ids"]) == 1
+
+
 def test_bad_local_bases_are_one_line_errors(tmp_path, tiny_base):
     cat = write_catalog(tmp_path, [{"name": "e", "base": "oci:missing:tag", "scripts": ["hello.sh"]}], SCRIPT)
     r = run_cli("check", str(cat))

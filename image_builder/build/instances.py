@@ -86,7 +86,7 @@ def read_record(paths: StorePaths, instance_id: str) -> InstanceBuild | None:
     return build
 
 
-def _write_record(paths: StorePaths, build: InstanceBuild) -> None:
+def write_record(paths: StorePaths, build: InstanceBuild) -> None:
     doc = asdict(build)
     doc["sqfs"] = paths.relative(build.sqfs) if build.sqfs else None
     atomic_write(record_path(paths, build.id), lambda f: f.write(json.dumps(doc, indent=1).encode()))
@@ -103,7 +103,7 @@ def build_instance(spec: InstanceSpec, env: EnvBuild, store: Path, *, backend: B
     paths.instance_sqfs(spec.id).parent.mkdir(parents=True, exist_ok=True)
     if not spec.script and not spec.files:
         build = InstanceBuild(spec.id, spec.environment, None, None, 0, key, True, time.monotonic() - t0)
-        _write_record(paths, build)
+        write_record(paths, build)
         return build
 
     backend = backend or detect_backend()
@@ -142,7 +142,7 @@ def build_instance(spec: InstanceSpec, env: EnvBuild, store: Path, *, backend: B
         st = dest.stat()
         build = InstanceBuild(spec.id, spec.environment, dest, sha256_file(dest), st.st_size, key, True,
                               time.monotonic() - t0, st.st_mtime_ns)
-        _write_record(paths, build)
+        write_record(paths, build)
         return build
     except BuildFailed:
         raise

@@ -277,10 +277,7 @@ def _shared(envs: list[EnvironmentSpec], builds: dict[str, EnvBuild]) -> list[tu
 def _check_ownership(store: Path, catalog: Catalog) -> None:
     """Two catalogs in one store must not declare the same environment or instance: the second build
     would replace the first's (and a full build of either would drop the other's)."""
-    try:
-        current = read_index(store) if (store / "index.json").exists() else Index({}, {})
-    except IndexError_:
-        return
+    current = current_index(store)
     mine = catalog.path.name
     for kind, declared, held in (("environment", catalog.environments, current.environments),
                                  ("instance", catalog.instances, current.instances)):
@@ -291,20 +288,30 @@ def _check_ownership(store: Path, catalog: Catalog) -> None:
                                         f"catalog {owner}; rename it in one of them or build into another store")
 
 
+def write_fragment(store: Path, name: str, envs: dict[str, EnvRecord], instances: dict[str, InstanceRecord]
+                   ) -> Path:
+    """index.d/<name>.json, a shard's part of the index: `merge_fragments` joins them."""
+    dest = store / FRAGMENTS_DIR / f"{name}.json"
+    dest.parent.mkdir(exist_ok=True)
+    text = json.dumps(Index(envs, instances).to_json(), indent=1, sort_keys=True)
+    atomic_write(dest, lambda f: f.write(text.encode()))
+    return dest
+
+
+def current_index(store: Path) -> Index:
+    """The store's index as it is, empty when there is none or it is unreadable (rebuilt from what is known)."""
+    try:
+        return read_index(store) if (store / "index.json").exists() else Index({}, {})
+    except IndexError_:
+        return Index({}, {})
+
+
 def _update_index(store: Path, catalog: Catalog, opts: StoreBuildOptions, envs: dict[str, EnvRecord],
                   instances: dict[str, InstanceRecord]) -> Path:
     if opts.shard:
-        k, n = opts.shard
-        dest = store / FRAGMENTS_DIR / f"shard-{k}-of-{n}.json"
-        dest.parent.mkdir(exist_ok=True)
-        text = json.dumps(Index(envs, instances).to_json(), indent=1, sort_keys=True)
-        atomic_write(dest, lambda f: f.write(text.encode()))
-        return dest
+        return write_fragment(store, f"shard-{opts.shard[0]}-of-{opts.shard[1]}", envs, instances)
     with item_lock(store, "index"):
-        try:
-            current = read_index(store) if (store / "index.json").exists() else Index({}, {})
-        except IndexError_:
-            current = Index({}, {})  # unreadable: rebuilt from what this build knows
+        current = current_index(store)
         # Items that failed this time keep their last verified build; new builds replace theirs.
         envs = {**current.environments, **envs}
         instances = {**current.instances, **instances}

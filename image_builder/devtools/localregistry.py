@@ -145,7 +145,7 @@ def push_image(registry_url: str, repository: str, tag: str, layers: list[Path],
         return digest, size
 
     descriptors = [dict(zip(("digest", "size"), put_blob(p, None)), mediaType=OCI_LAYER_GZIP) for p in layers]
-    config = image_config(len(layers), tuple(env) if env else DEFAULT_ENV, arch)
+    config = image_config(layers, tuple(env) if env else DEFAULT_ENV, arch)
     config_digest, config_size = put_blob(None, config)
     manifest = json.dumps({"schemaVersion": 2, "mediaType": OCI_MANIFEST,
                            "config": {"mediaType": OCI_CONFIG, "digest": config_digest, "size": config_size},

@@ -33,10 +33,20 @@ def rootfs_layer(rootfs: Path, dest: Path) -> Path:
     return dest
 
 
-def image_config(layers: int, env: tuple[str, ...] = DEFAULT_ENV, arch: str = "amd64") -> bytes:
+def diff_id(layer: Path) -> str:
+    """The sha256 of a gzip layer's uncompressed tar: what an image config's rootfs.diff_ids lists (umoci, and
+    every runtime that checks layers after unpacking, need them)."""
+    h = hashlib.sha256()
+    with gzip.open(layer, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return "sha256:" + h.hexdigest()
+
+
+def image_config(layers: list[Path], env: tuple[str, ...] = DEFAULT_ENV, arch: str = "amd64") -> bytes:
     return json.dumps({"architecture": arch, "os": "linux", "config": {"Env": list(env)},
-                       "rootfs": {"type": "layers", "diff_ids": []},
-                       "history": [{"created_by": f"image-builder layer {i}"} for i in range(layers)]},
+                       "rootfs": {"type": "layers", "diff_ids": [diff_id(p) for p in layers]},
+                       "history": [{"created_by": f"image-builder layer {i}"} for i in range(len(layers))]},
                       sort_keys=True).encode()
 
 
@@ -61,7 +71,7 @@ def write_layout(dest: Path, tag: str, layers: list[Path], env: tuple[str, ...] 
     blobs are missing."""
     dest.mkdir(parents=True, exist_ok=True)
     descriptors = [dict(zip(("digest", "size"), _write_blob(dest, src=p)), mediaType=OCI_LAYER_GZIP) for p in layers]
-    config_digest, config_size = _write_blob(dest, image_config(len(layers), env, arch))
+    config_digest, config_size = _write_blob(dest, image_config(layers, env, arch))
     manifest = json.dumps({"schemaVersion": 2, "mediaType": OCI_MANIFEST,
                            "config": {"mediaType": OCI_CONFIG, "digest": config_digest, "size": config_size},
                            "layers": descriptors}).encode()

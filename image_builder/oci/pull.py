@@ -52,8 +52,10 @@ def _manifest(client: RegistryClient, cache: BlobCache, version: str) -> tuple[b
 
 
 def pull(ref: str, *, cache: BlobCache | None = None, options: RegistryOptions = RegistryOptions(),
-         platform: Platform | None = None, progress: Progress = NullProgress()) -> PulledImage:
-    """Fetch an image's manifest, config and layers into the cache, all verified."""
+         platform: Platform | None = None, progress: Progress = NullProgress(), layers: bool = True) -> PulledImage:
+    """Fetch an image's manifest, config and layers into the cache, all verified. `layers=False`: the
+    manifest and config only (the layers' paths are where the cache would keep them); disk sources are read
+    whole either way."""
     cache = cache or BlobCache()
     transport = Transport(replace(options, bundle_dir=options.bundle_dir or cache.root))
     if is_tarball_url(ref):
@@ -80,9 +82,10 @@ def pull(ref: str, *, cache: BlobCache | None = None, options: RegistryOptions =
     image_platform = "/".join(x for x in (config.get("os"), config.get("architecture"), config.get("variant")) if x)
 
     def fetch(d) -> Layer:
-        path = client.fetch_blob(d.digest, d.size, cache, progress=progress, label=d.digest[7:19])
+        path = client.fetch_blob(d.digest, d.size, cache, progress=progress, label=d.digest[7:19]) if layers \
+            else cache.path(d.digest)
         return Layer(d.digest, d.size, d.media_type, path)
 
     with ThreadPoolExecutor(max_workers=max(1, options.jobs)) as pool:
-        layers = tuple(pool.map(fetch, manifest.layers))
-    return PulledImage(str(reference), digest, index_digest, image_platform or str(platform), config, layers)
+        fetched = tuple(pool.map(fetch, manifest.layers))
+    return PulledImage(str(reference), digest, index_digest, image_platform or str(platform), config, fetched)

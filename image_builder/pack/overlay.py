@@ -95,3 +95,89 @@ def normalise_upper(upper: Path, lower_children: Callable[[str], list[str]]) -> 
                     whiteouts += 1
         entries += len(dirnames)
     return DiffStats(entries, whiteouts, opaque)
+
+
+
+def diff_trees(lower: Path, full: Path, upper: Path) -> DiffStats:
+    """Write into `upper` what turns `lower` into `full`, in overlay form: entries of `full` that `lower` lacks
+    or has otherwise (type, mode, size, content, symlink target), and a whiteout for each entry of `lower`
+    that `full` lacks. A file byte-identical to the lower one is not stored again (an image's own layer that
+    re-adds a checkout its environment holds costs only what changed)."""
+    entries = whiteouts = 0
+    upper.mkdir(parents=True, exist_ok=True)
+    for dirpath, dirnames, filenames in os.walk(full):
+        rel = Path(os.path.relpath(dirpath, full))
+        low_dir = lower / rel
+        low_is_dir = low_dir.is_dir() and not low_dir.is_symlink()
+        descend = []
+        for name in sorted(dirnames + filenames):
+            src, low = Path(dirpath) / name, low_dir / name
+            if name in dirnames and not src.is_symlink() and low.is_dir() and not low.is_symlink():
+                descend.append(name)  # both directories: compared entry by entry below
+                if os.lstat(src).st_mode != os.lstat(low).st_mode:
+                    _parents(upper, full, rel / name)
+                    entries += 1
+            elif not _same_entry(src, low):
+                _parents(upper, full, rel)
+                _copy(src, upper / rel / name)
+                entries += 1
+        dirnames[:] = descend
+        if low_is_dir:
+            for name in sorted(set(os.listdir(low_dir)) - set(os.listdir(dirpath))):
+                _parents(upper, full, rel)
+                _whiteout(upper / rel / name)
+                whiteouts += 1
+    for dirpath, _, _ in sorted(os.walk(upper), key=lambda w: -len(w[0])):  # last, deepest first: exact modes
+        twin = full / os.path.relpath(dirpath, upper)
+        st = os.lstat(twin)
+        os.chmod(dirpath, stat.S_IMODE(st.st_mode))
+        os.utime(dirpath, ns=(st.st_atime_ns, st.st_mtime_ns))
+    return DiffStats(entries, whiteouts, 0)
+
+
+def _same_entry(a: Path, b: Path) -> bool:
+    try:
+        sa, sb = os.lstat(a), os.lstat(b)
+    except FileNotFoundError:
+        return False
+    if sa.st_mode != sb.st_mode:
+        return False
+    if stat.S_ISLNK(sa.st_mode):
+        return os.readlink(a) == os.readlink(b)
+    if stat.S_ISREG(sa.st_mode):
+        if sa.st_size != sb.st_size:
+            return False
+        with open(a, "rb") as fa, open(b, "rb") as fb:
+            while True:
+                x, y = fa.read(1 << 20), fb.read(1 << 20)
+                if x != y:
+                    return False
+                if not x:
+                    return True
+    return False  # devices, fifos, sockets: stored as they are
+
+
+def _parents(upper: Path, full: Path, rel: Path) -> None:
+    """upper/rel and the directories above it, each with the mode and times of its twin in `full`."""
+    made = []
+    for part in [*reversed(rel.parents), rel] if str(rel) != "." else []:
+        if str(part) == "." or (upper / part).exists():
+            continue
+        (upper / part).mkdir()
+        made.append(part)
+    for part in reversed(made):  # deepest first: setting a parent's times would not survive a child's mkdir
+        st = os.lstat(full / part)
+        os.chmod(upper / part, stat.S_IMODE(st.st_mode) | stat.S_IRWXU)  # writable while we fill it
+        os.utime(upper / part, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _copy(src: Path, dest: Path) -> None:
+    import shutil
+    if src.is_symlink():
+        os.symlink(os.readlink(src), dest)
+        st = os.lstat(src)
+        os.utime(dest, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+    elif src.is_dir():
+        shutil.copytree(src, dest, symlinks=True)
+    else:
+        shutil.copy2(src, dest, follow_symlinks=False)

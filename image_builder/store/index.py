@@ -79,6 +79,8 @@ class InstanceRecord:
     test_command: str | None = None
     grader: dict = field(default_factory=dict)  # what the catalog gave for graders (dataset fields, ...)
     catalog: str = ""  # as EnvRecord.catalog
+    env: dict[str, str] = field(default_factory=dict)  # over the environment's (an imported image's own Env)
+    command: list[str] = field(default_factory=list)  # an imported image's Entrypoint + Cmd
 
 
 @dataclass(frozen=True)
@@ -112,7 +114,8 @@ _ENV_TYPES = {"name": str, "sif": str, "sha256": str, "size": int, "base": str, 
               "build_key": str, "built_at": int, "env": dict, "catalog": str, "overlays": (list, tuple)}
 _LAYER_TYPES = {"file": str, "sha256": str, "size": int}
 _INST_TYPES = {"id": str, "environment": str, "sqfs": (str, type(None)), "sha256": (str, type(None)), "size": int,
-               "build_key": str, "workdir": str, "test_command": (str, type(None)), "grader": dict, "catalog": str}
+               "build_key": str, "workdir": str, "test_command": (str, type(None)), "grader": dict, "catalog": str,
+               "env": dict, "command": list}
 
 
 def _record(cls, types: dict, doc: object, where: str):
@@ -159,10 +162,14 @@ def _checked_env(rec: EnvRecord, key: str, where: str) -> EnvRecord:
     _check(rec.name == key, f"{where}.name", f"is {rec.name!r}, not the key {key!r}")
     _store_path(rec.sif, "envs", ".sif", f"{where}.sif")
     _check(rec.size >= 0, f"{where}.size", "is negative")
-    for k, v in rec.env.items():  # the runtime puts these in every run's environment
-        _check(isinstance(k, str) and k and "=" not in k and "\0" not in k and isinstance(v, str) and "\0" not in v,
-               f"{where}.env", f"{k!r}: variables must be NAME: string, without '=' in NAME or NUL")
+    _check_env(rec.env, f"{where}.env")
     return rec
+
+
+def _check_env(env: dict, where: str) -> None:
+    for k, v in env.items():  # the runtime puts these in every run's environment
+        _check(isinstance(k, str) and k and "=" not in k and "\0" not in k and isinstance(v, str) and "\0" not in v,
+               where, f"{k!r}: variables must be NAME: string, without '=' in NAME or NUL")
 
 
 def _checked_instance(rec: InstanceRecord, key: str, where: str) -> InstanceRecord:
@@ -173,6 +180,9 @@ def _checked_instance(rec: InstanceRecord, key: str, where: str) -> InstanceReco
     _check(rec.size >= 0, f"{where}.size", "is negative")
     _no_nul(rec.workdir, f"{where}.workdir")
     _no_nul(rec.test_command, f"{where}.test_command")
+    _check_env(rec.env, f"{where}.env")
+    _check(all(isinstance(a, str) and "\0" not in a for a in rec.command), f"{where}.command",
+           "must be a list of strings without NUL")
     return rec
 
 

@@ -39,12 +39,16 @@ def _path_name(ident: str) -> str:
 
 
 def remove_tree(path: Path) -> None:
-    """rmtree that also removes read-only directories a rootless build left behind."""
+    """rmtree that also removes read-only directories a rootless build left behind (overlayfs leaves its
+    work directory's `work/` at mode 000, which its unprivileged owner cannot even list)."""
     def make_writable_and_retry(func, p, _exc):
         parent = os.path.dirname(p)
         os.chmod(parent, os.stat(parent).st_mode | stat.S_IRWXU)
         if os.path.isdir(p) and not os.path.islink(p):
             os.chmod(p, os.stat(p).st_mode | stat.S_IRWXU)
+            if func not in (os.rmdir, os.unlink):  # it could not be opened or listed: now it can
+                shutil.rmtree(p, onerror=make_writable_and_retry)
+                return
         func(p)
 
     import shutil  # not on the run path
@@ -118,6 +122,7 @@ class ResolvedInstance:
     test_command: str | None
     grader: dict
     digests: tuple[str, ...] = ()  # sha256 of env_sif, then of each overlay, as the index records them
+    command: tuple[str, ...] = ()  # the default command (an imported image's), run when none is given
 
     @property
     def layers(self) -> tuple[Path, ...]:
@@ -167,7 +172,8 @@ class Store:
         files = (*env.files, *((inst.sqfs,) if inst.sqfs else ()))
         digests = (*env.digests, *((inst.sha256,) if inst.sqfs else ()))
         return ResolvedInstance(inst.id, inst.environment, self.root / files[0], tuple(self.root / f for f in files[1:]),
-                                env.env, inst.workdir, inst.test_command, inst.grader, digests)
+                                {**env.env, **inst.env}, inst.workdir, inst.test_command, inst.grader, digests,
+                                tuple(inst.command))
 
 
 @dataclass

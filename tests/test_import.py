@@ -1,0 +1,220 @@
+"""`image-builder import`: prebuilt images into one environment per shared layer prefix and thin overlays."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from image_builder.oci.layout import rootfs_layer
+from image_builder.runtime.backends import open_session
+from image_builder.runtime.execution import RunRequest
+from image_builder.runtime.session import InstanceLayers
+from image_builder.store.store import Store
+from tests.conftest import run_cli
+from tests.support.bases import tiny_rootfs
+from tests.support.oci import Blob, Entry, Pusher, config_blob, layer
+from tests.test_store import Stack, lls
+
+ENV_ENTRIES = [Entry("opt", kind="dir", mode=0o755), Entry("opt/env", kind="dir", mode=0o755),
+               Entry("opt/env/a", b"same in env and instance\n"), Entry("opt/env/b", b"env's b\n"),
+               Entry("etc/keep", b"kept unless deleted\n")]
+INSTANCE_ENTRIES = {
+    1: [Entry("testbed", kind="dir", mode=0o755), Entry("testbed/x.py", b"print(1)\n"),
+        Entry("testbed/data", kind="dir", mode=0o700), Entry("testbed/data/y", b"y\n", mode=0o600),
+        Entry("opt/env/a", b"same in env and instance\n"),  # re-added byte for byte: not stored again
+        Entry("opt/env/b", b"instance's b\n")],
+    2: [Entry("testbed", kind="dir", mode=0o755), Entry("testbed/x.py", b"print(2)\n"),
+        Entry("testbed/link", kind="symlink", link="x.py"), Entry("etc/.wh.keep")],  # an OCI whiteout
+    3: [Entry("opt/env/.wh..wh..opq"), Entry("opt/env/c", b"c\n"),  # an opaque directory
+        Entry("testbed", kind="dir", mode=0o755), Entry("testbed/x.py", b"print(3)\n", mode=0o755)],
+}
+
+
+def push_images(registries, tmp: Path) -> list[str]:
+    pusher = Pusher(registries.open.url, str(registries.tls.cert))
+    tiny = tiny_rootfs(tmp / "rootfs")
+    base = Blob(rootfs_layer(tiny, tmp / "base.tar.gz").read_bytes(), "application/vnd.oci.image.layer.v1.tar+gzip")
+    env = layer(ENV_ENTRIES)
+    refs = []
+    for n, entries in INSTANCE_ENTRIES.items():
+        config = json.loads(config_blob(env=["PATH=/usr/bin:/bin", f"INSTANCE={n}"], layers=3).data)
+        config["config"].update({"WorkingDir": "/testbed", "Cmd": ["sh", "-c", "echo hi"]})
+        blob = Blob(json.dumps(config).encode(), "application/vnd.oci.image.config.v1+json")
+        pusher.image(f"swe/sweb.eval.x86_64.repo_1776_name-{n}", "latest", blob, [base, env, layer(entries)])
+        refs.append(f"{registries.open.host}/swe/sweb.eval.x86_64.repo_1776_name-{n}:latest")
+    return refs
+
+
+def tree(root: Path) -> dict[str, tuple]:
+    """Every entry below root: type and mode, and content or link target."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            st = os.lstat(p)
+            what = os.readlink(p) if stat.S_ISLNK(st.st_mode) else p.read_bytes() if stat.S_ISREG(st.st_mode) else None
+            out[str(p.relative_to(root))] = (stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode), what)
+    return out
+
+
+@pytest.fixture
+def imported(registries, tmp_path):
+    refs = push_images(registries, tmp_path)
+    args = ["import", *refs, "--store", str(tmp_path / "store"), "--cache-dir", str(tmp_path / "cache"),
+            "--ca-cert", str(registries.tls.cert), "--id-from", f"{registries.open.host}/swe/sweb.eval.x86_64."
+            "{instance_id}:latest"]
+    r = run_cli(*args)
+    assert r.returncode == 0, r.stderr
+    return refs, args, r
+
+
+def test_images_sharing_their_bottom_layers_become_one_environment(imported, registries, tmp_path):
+    refs, _, r = imported
+    assert "3 images, 1 environments" in r.stdout
+    store = Store.open(tmp_path / "store")
+    assert sorted(store.index.instances) == ["repo__name-1", "repo__name-2", "repo__name-3"], "SWE-bench's ids"
+    assert len(store.index.environments) == 1
+    for n, ref in enumerate(refs, 1):
+        resolved = store.resolve(f"repo__name-{n}")
+        assert resolved.workdir == "/testbed" and resolved.env["INSTANCE"] == str(n)
+        assert resolved.command == ("sh", "-c", "echo hi")
+        flat = tmp_path / f"flat-{n}"
+        p = run_cli("pull", ref, "--rootfs", str(flat), "--cache-dir", str(tmp_path / "cache"), "--ca-cert",
+                    str(registries.tls.cert))
+        assert p.returncode == 0, p.stderr
+        mnt = tmp_path / f"mnt-{n}"
+        mnt.mkdir()
+        stack = Stack(mnt, resolved.env_sif, resolved.overlays)
+        try:
+            merged = tree(stack.merged)
+            got = {k: v for k, v in merged.items() if not k.startswith(".singularity.d")}
+            assert ".singularity.d/env/10-docker2singularity.sh" in merged, "Apptainer's files, from the environment"
+        finally:
+            stack.close()
+        want = tree(flat)
+        assert got == want, sorted(set(got.items()) ^ set(want.items()))[:5]
+    listing = lls(tmp_path / "store/instances/repo__name-1.sqfs")
+    assert "opt/env/b" in listing and "opt/env/a" not in listing, "a byte-identical file is not stored again"
+    assert ".singularity.d" not in listing, "the overlay holds only what the image adds"
+
+
+def test_the_instance_runs_with_its_image_s_environment(imported, tmp_path):
+    resolved = Store.open(tmp_path / "store").resolve("repo__name-2")
+    layers = InstanceLayers(resolved.env_sif, resolved.overlays, resolved.env, resolved.workdir, resolved.digests)
+    with open_session(layers, state_dir=tmp_path / "state") as session:
+        out = session.run(RunRequest(("sh", "-c", "echo $INSTANCE; pwd; cat link; ls /etc/keep"), timeout=30))
+    assert out.stdout.decode().splitlines()[:3] == ["2", "/testbed", "print(2)"]
+    assert out.exit_code != 0, "/etc/keep is whited out in this instance"
+    default = run_cli("run", "--store", str(tmp_path / "store"), "repo__name-2")  # the image's Cmd
+    assert default.returncode == 0 and default.stdout == "hi\n", default.stderr
+
+
+def test_a_rerun_fetches_no_blob(imported, proxy, registries, tmp_path):
+    refs, args, _ = imported
+    images = sorted((tmp_path / "store").glob("*/*.s*"))
+    stamps = [p.stat().st_mtime_ns for p in images]
+    via_proxy = [ref.replace(registries.open.host, proxy.host) for ref in refs]
+    again = run_cli("import", *via_proxy, *args[1 + len(refs):-2], "--id-from",
+                    f"{proxy.host}/swe/sweb.eval.x86_64.{{instance_id}}:latest")
+    assert again.returncode == 0, again.stderr
+    assert proxy.requests_to("/blobs/", "GET") == [], "every blob came from the cache"
+    assert "(0 B fetched, the rest from the cache)" in again.stdout, again.stdout
+    assert [p.stat().st_mtime_ns for p in images] == stamps, "a rerun packs nothing"
+    bad = run_cli("import", *refs[:1], "--store", str(tmp_path / "store"), "--cache-dir", str(tmp_path / "cache"),
+                  "--ca-cert", str(registries.tls.cert), "--id-from", "elsewhere/{instance_id}")
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr and "does not match --id-from" in bad.stderr
+    listing = tmp_path / "images.txt"
+    listing.write_text(f"# ref id workdir\n{refs[0]} one /w extra\n")
+    bad = run_cli("import", "--from-file", str(listing), "--store", str(tmp_path / "store"))
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    assert f"{listing}:2: expected REF [INSTANCE_ID [WORKDIR]], got 4 fields" in bad.stderr, bad.stderr
+
+
+def oci_layer_of(tree: Path, dest: Path) -> Path:
+    """A gzip tar layer of an Apptainer overlay tree: its 0:0 character devices as OCI `.wh.` whiteouts."""
+    import gzip
+    import tarfile
+    with gzip.open(dest, "wb", compresslevel=1) as gz, tarfile.open(fileobj=gz, mode="w|",
+                                                                     format=tarfile.PAX_FORMAT) as tar:
+        for dirpath, dirnames, filenames in os.walk(tree):
+            dirnames.sort()
+            for name in sorted(dirnames + filenames):
+                p = Path(dirpath) / name
+                rel = str(p.relative_to(tree))
+                st = os.lstat(p)
+                if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
+                    info = tarfile.TarInfo(str(Path(rel).parent / f".wh.{name}"))
+                    tar.addfile(info)
+                else:
+                    tar.add(p, arcname=rel, recursive=False)
+    return dest
+
+
+def test_a_swebench_shaped_image_imports_and_its_gold_patch_resolves(marshmallow_store, registries, tmp_path):
+    """SWE-bench's instance images: the environment's tree as one layer, the instance's /testbed (with its
+    editable install) as the next. Made here from the marshmallow store's own images, pushed, imported,
+    graded."""
+    from image_builder.pack.sif import partition_offset
+    from tests.test_grading import SWE, grade, results
+    store = Store.open(marshmallow_store)
+    iid = "marshmallow-code__marshmallow-1359"
+    resolved = store.resolve(iid)
+    env_tree, inst_tree = tmp_path / "env", tmp_path / "inst"
+    subprocess.run(["unsquashfs", "-q", "-o", str(partition_offset(resolved.env_sif)[0]), "-d", str(env_tree),
+                    str(resolved.env_sif)], check=True)
+    subprocess.run(["unsquashfs", "-q", "-d", str(inst_tree), str(resolved.overlays[-1])], check=True)
+    shutil.rmtree(env_tree / ".singularity.d")
+    layers = [Blob(oci_layer_of(env_tree, tmp_path / "env.tar.gz").read_bytes(),
+                   "application/vnd.oci.image.layer.v1.tar+gzip"),
+              Blob(oci_layer_of(inst_tree, tmp_path / "inst.tar.gz").read_bytes(),
+                   "application/vnd.oci.image.layer.v1.tar+gzip")]
+    config = json.loads(config_blob(env=[f"{k}={v}" for k, v in resolved.env.items()], layers=2).data)
+    config["config"]["WorkingDir"] = "/testbed"
+    Pusher(registries.open.url, str(registries.tls.cert)).image(
+        "swebench/sweb.eval.x86_64.marshmallow-code_1776_marshmallow-1359", "latest",
+        Blob(json.dumps(config).encode(), "application/vnd.oci.image.config.v1+json"), layers)
+    host = registries.open.host
+    r = run_cli("import", f"{host}/swebench/sweb.eval.x86_64.marshmallow-code_1776_marshmallow-1359:latest",
+                "--env-layers", "1", "--id-from", f"{host}/swebench/sweb.eval.x86_64.{{instance_id}}:latest",
+                "--store", str(tmp_path / "imported"), "--cache-dir", str(tmp_path / "cache"),
+                "--ca-cert", str(registries.tls.cert))
+    assert r.returncode == 0, r.stderr
+    imported = Store.open(tmp_path / "imported").resolve(iid)
+    assert imported.workdir == "/testbed" and len(imported.overlays) == 1
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps(rec) + "\n" for rec in SWE if rec["instance_id"] == iid))
+    gold = {rec["instance_id"]: rec["patch"] for rec in SWE}
+    for name, patch_for, resolved_wanted in (("gold", lambda rec: gold[rec["instance_id"]], True),
+                                             ("empty", lambda rec: "", False)):
+        preds = tmp_path / f"{name}.jsonl"
+        preds.write_text(json.dumps({"instance_id": iid, "model_patch": patch_for({"instance_id": iid})}) + "\n")
+        out = tmp_path / f"{name}-results.jsonl"
+        g = grade(tmp_path / "imported", tasks, preds, out)
+        assert g.returncode == 0, g.stderr
+        assert results(out)[iid]["repo"]["resolved"] is resolved_wanted, results(out)[iid]["reason"]
+
+
+def test_shards_split_as_one_import_and_merge_into_the_same_index(imported, registries, tmp_path):
+    refs, args, _ = imported
+    one = Store.open(tmp_path / "store").index
+    sharded = tmp_path / "sharded"
+    for k in range(2):
+        r = run_cli("import", *refs, "--store", str(sharded), *args[1 + len(refs) + 2:], "--shard", f"{k}/2")
+        assert r.returncode == 0, r.stderr
+    assert run_cli("index", "merge", "--store", str(sharded)).returncode == 0
+    merged = Store.open(sharded).index
+
+    def listing(store: Path, rel: str) -> list[str]:  # modes, owners, sizes and names; not times
+        return [" ".join(line.split()[:3] + line.split()[5:]) for line in lls(store / rel).splitlines()[1:]]
+
+    assert {i: r.environment for i, r in merged.instances.items()} == {i: r.environment for i, r in
+                                                                       one.instances.items()}, "the same split"
+    assert len(merged.environments) == 1 and len(list((sharded / "envs").glob("*.sif"))) == 1, "packed once"
+    for iid, rec in one.instances.items():
+        assert listing(sharded, merged.instances[iid].sqfs) == listing(tmp_path / "store", rec.sqfs), iid
