@@ -81,6 +81,9 @@ def test_specs_that_cannot_be_honoured_are_reported_per_instance(tmp_path):
         {**good, "instance_id": "marshmallow-code__marshmallow-8", "version": "3.1", "base_commit": "0" * 40},
         {**good, "instance_id": "pallets__flask-1", "repo": "pallets/flask", "version": "2.0"},
         {**good, "instance_id": "pallets__flask-2", "repo": "pallets/flask", "version": "2.3"},
+        # Hostile rows: a version or repo that would name a path outside the catalog's context folder.
+        {**good, "instance_id": "climb-1", "version": "../../../../tmp/x"},
+        {**good, "instance_id": "climb-2", "repo": "../.."},
     ]
     dataset = tmp_path / "mixed.jsonl"
     dataset.write_text("".join(json.dumps(r) + "\n" for r in [good, *bad]))
@@ -96,6 +99,9 @@ def test_specs_that_cannot_be_honoured_are_reported_per_instance(tmp_path):
     assert any(line.startswith("left out: marshmallow-code__marshmallow-8: commit '0000") for line in lines)
     assert any(line.startswith("left out: pallets__flask-1: no repository for pallets/flask") for line in lines)
     assert "left out: pallets__flask-2: no base image for Python 3.11 (give --python 3.11=IMAGE)" in lines
+    assert "left out: climb-1: version '../../../../tmp/x' is not a version (letters, digits and . _ + -)" in lines
+    assert "left out: climb-2: repo '../..' is not owner/name" in lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mixed.jsonl", "swe.d", "swe.yaml"], "nothing outside"
     assert sorted(load(tmp_path / "swe.yaml").instances) == [good["instance_id"]], "the rest is built"
 
     r = run_cli("swebench", "catalog", str(MARSHMALLOW), "--repos", str(DATA / "repos"), "-o",

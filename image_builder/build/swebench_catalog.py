@@ -56,6 +56,8 @@ PATH = f"{VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 WORKDIR = "/testbed"
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
 REPO = re.compile(r"^[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+$")
+# A version names environments and directories of the context: a plain token, never a path.
+VERSION = re.compile(r"^[A-Za-z0-9_+-][A-Za-z0-9._+-]*$")
 # What makes an editable install stale: its metadata, or compiled extensions.
 REINSTALL_WHEN = "setup.py setup.cfg pyproject.toml *.pyx *.pxd *.c *.cpp *.h"
 
@@ -275,7 +277,11 @@ def generate(opts: CatalogOptions) -> Generated:
             wanted[task.original_id] = task, rows.get(row) or {}
     groups: dict[tuple[str, str], list[tuple[RepoTask, dict]]] = {}
     for iid, (task, record) in sorted(wanted.items()):
-        problem = id_problem(iid) or (None if REPO.match(task.repo) else f"repo {task.repo!r} is not owner/name")
+        problem = id_problem(iid)
+        if not REPO.match(task.repo) or any(part in (".", "..") for part in task.repo.split("/")):
+            problem = f"repo {task.repo!r} is not owner/name"
+        elif not VERSION.match(task.version) or len(task.version) > 40:
+            problem = f"version {task.version!r} is not a version (letters, digits and . _ + -)"
         if problem:
             result.skipped.append(f"{iid}: {problem}")
             continue
