@@ -223,7 +223,7 @@ def build_environment(plan: EnvPlan, opts: BuildOptions) -> EnvBuild:
             run_scripts(spec, SandboxSpec(rootfs, env=env, workdir="/", binds=_binds(spec)), backend, paths,
                         opts.verbose)
             write_singularity_env(rootfs, env, labels=labels)
-            _clamp(rootfs)
+            clamp_to_epoch(rootfs)
             # The tree belongs to the sandbox's uid (the builder's, or BUILD_UID): inside the image, root's.
             write_sif(plan.image, rootfs, deffile=deffile(spec, spec.base, plan.base_digest, env, backend),
                       labels=labels, squash=replace(opts.squash, all_root=True),
@@ -255,11 +255,12 @@ def _build_overlay(plan: EnvPlan, parent: EnvBuild, work: Path, env: dict[str, s
     run_scripts(plan.spec, sandbox, backend, paths, opts.verbose)
     normalise_upper(upper, lower_children(lowers))
     write_singularity_env(upper, env, labels=labels)  # over the parent's: Apptainer reads the merged root
-    _clamp(upper)
+    clamp_to_epoch(upper)
     pack(upper, plan.image, replace(opts.squash, all_root=True))
 
 
-def _clamp(tree: Path) -> None:
+def clamp_to_epoch(tree: Path) -> None:
+    """clamp_mtimes to SOURCE_DATE_EPOCH when it is set."""
     epoch = source_date_epoch()
     if epoch is not None:  # the same inputs make the same bytes
         clamp_mtimes(tree, epoch)

@@ -38,13 +38,13 @@ from image_builder.oci.layers import flatten
 from image_builder.oci.pull import pull
 from image_builder.pack.overlay import diff_trees
 from image_builder.pack.sif import write_sif, write_singularity_env
-from image_builder.pack.squashfs import SquashOptions, pack, source_date_epoch
+from image_builder.pack.squashfs import SquashOptions, pack
 from image_builder.store.ids import id_problem, shown_id
 from image_builder.store.index import EnvRecord, InstanceRecord, write_index
 from image_builder.store.store import StorePaths, remove_tree
-from .envbuild import LABEL_PREFIX, BuildOptions, clamp_mtimes, current_key
+from .envbuild import LABEL_PREFIX, BuildOptions, clamp_to_epoch, current_key
 from .instances import InstanceBuild, read_record, write_record
-from .storebuild import current_index, item_lock, write_fragment
+from .storebuild import current_index, image_record, item_lock, write_fragment
 
 CATALOG = "import"  # the records' catalog field: a build of a catalog leaves imported items alone
 SWEBENCH_ESCAPE = "_1776_"  # SWE-bench's image names write an instance id's "__" so (Docker Hub refuses "__")
@@ -188,7 +188,7 @@ def import_images(items: list[ImportItem], opts: ImportOptions) -> ImportSummary
     insts: dict[str, InstanceRecord] = {}
     for key, members in groups.items():
         first, n = images[members[0]], points[members[0]]
-        name, env = f"import-{key[7:19]}", _env_of(first)
+        name, env = f"import-{key[7:19]}", first.env
         summary.environments[name] = [ids[i] for i in members]
         # A rerun packs nothing: each instance's record names its image, split and environment.
         kept = {i: read_record(paths, ids[i]) for i in members}
@@ -232,14 +232,9 @@ def _pack_env(paths: StorePaths, key: str, img: PulledImage, tree: Path, env: di
 
 
 def _env_record(paths: StorePaths, name: str, key: str, img: PulledImage, env: dict[str, str]) -> EnvRecord:
-    sif = paths.env_image(key)
-    st = sif.stat()
-    return EnvRecord(name, paths.relative(sif), sha256_file(sif), st.st_size, img.reference, img.digest, key,
-                     int(st.st_mtime), env, CATALOG)
-
-
-def _env_of(img: PulledImage) -> dict[str, str]:
-    return {k: v for k, v in (p.split("=", 1) for p in _config(img).get("Env") or [] if "=" in p)}
+    sif = image_record(paths, paths.env_image(key), key)  # hashed only when it changed since its record
+    return EnvRecord(name, sif.file, sif.sha256, sif.size, img.reference, img.digest, key,
+                     int(paths.env_image(key).stat().st_mtime), env, CATALOG)
 
 
 def _instance_key(env_build_key: str, img: PulledImage, n: int) -> str:
@@ -250,7 +245,7 @@ def _instance_key(env_build_key: str, img: PulledImage, n: int) -> str:
 def _instance_record(iid: str, item: ImportItem, img: PulledImage, env_name: str, env: dict[str, str],
                      build: InstanceBuild, paths: StorePaths) -> InstanceRecord:
     config = _config(img)
-    own_env = {k: v for k, v in _env_of(img).items() if env.get(k) != v}
+    own_env = {k: v for k, v in img.env.items() if env.get(k) != v}
     command = [*(config.get("Entrypoint") or []), *(config.get("Cmd") or [])]
     workdir = item.workdir or config.get("WorkingDir") or "/"
     return InstanceRecord(iid, env_name, paths.relative(build.sqfs) if build.sqfs else None, build.sha256,
@@ -268,8 +263,7 @@ def _pack_instance(paths: StorePaths, iid: str, img: PulledImage, n: int, lower:
         try:
             flatten([layer.path for layer in img.layers], full, rootless=True)
             stats = diff_trees(lower, full, upper)
-            if (epoch := source_date_epoch()) is not None:  # as for built instances: same inputs, same bytes
-                clamp_mtimes(upper, epoch)
+            clamp_to_epoch(upper)  # as for built instances: same inputs, same bytes
             if stats.entries or stats.whiteouts:
                 sqfs = paths.instance_sqfs(iid)
                 sqfs.parent.mkdir(parents=True, exist_ok=True)

@@ -27,11 +27,11 @@ from image_builder import __version__
 from image_builder.errors import ImageBuilderError
 from image_builder.oci.cache import sha256_file
 from image_builder.pack.overlay import normalise_upper
-from image_builder.pack.squashfs import SquashOptions, pack, source_date_epoch
+from image_builder.pack.squashfs import SquashOptions, pack
 from image_builder.store.files import atomic_write
 from image_builder.store.store import StorePaths, remove_tree
 from .catalog import InstanceSpec
-from .envbuild import BuildFailed, EnvBuild, clamp_mtimes, layer_images, lower_children, tree_digest
+from .envbuild import BuildFailed, EnvBuild, clamp_to_epoch, layer_images, lower_children, tree_digest
 from .sandbox import BuildBackend, Bind, Overlay, SandboxSpec, detect_backend, run as sandbox_run
 
 FILES_IN_SANDBOX = "/tmp/.image-builder/instance-files"
@@ -135,9 +135,7 @@ def build_instance(spec: InstanceSpec, env: EnvBuild, store: Path, *, backend: B
             raise BuildFailed(f"instance {spec.id}: script {spec.script.name if spec.script else '(files)'} "
                               f"{why}; log: {log}", log=log, tail=result.tail)
         normalise_upper(upper, lower_children(lowers))
-        epoch = source_date_epoch()
-        if epoch is not None:  # as for environments: the same inputs make the same bytes
-            clamp_mtimes(upper, epoch)
+        clamp_to_epoch(upper)  # as for environments: the same inputs make the same bytes
         pack(upper, dest, replace(squash, all_root=True))  # written by the sandbox's uid: root's inside
         st = dest.stat()
         build = InstanceBuild(spec.id, spec.environment, dest, sha256_file(dest), st.st_size, key, True,

@@ -136,27 +136,26 @@ def drop_if_corrupt(sif: Path) -> None:
         sif.with_suffix(".json").unlink(missing_ok=True)
 
 
-def _own_image(paths: StorePaths, build: EnvBuild) -> Layer:
-    """The file an environment build made (its .sif, or its overlay), hashed only when it changed since its
-    last record."""
-    image = build.image
+def image_record(paths: StorePaths, image: Path, build_key: str) -> Layer:
+    """An environment's image file (a .sif, or an overlay) as the index records it, hashed only when it
+    changed since the record beside it."""
     sidecar = image.with_suffix(".json")
     st = image.stat()
     try:
         old = json.loads(sidecar.read_text())
-        if old["build_key"] == build.build_key and old["size"] == st.st_size and old["mtime_ns"] == st.st_mtime_ns:
+        if old["build_key"] == build_key and old["size"] == st.st_size and old["mtime_ns"] == st.st_mtime_ns:
             return Layer(paths.relative(image), old["sha256"], st.st_size)
     except (OSError, ValueError, KeyError, TypeError):
         pass
     digest = sha256_file(image)
-    doc = {"build_key": build.build_key, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest,
+    doc = {"build_key": build_key, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest,
            "built_at": int(st.st_mtime)}
     atomic_write(sidecar, lambda f: f.write(json.dumps(doc).encode()))
     return Layer(paths.relative(image), digest, st.st_size)
 
 
 def _env_record(paths: StorePaths, build: EnvBuild, catalog: str, parent: EnvRecord | None) -> EnvRecord:
-    own = _own_image(paths, build)
+    own = image_record(paths, build.image, build.build_key)
     built_at = int(build.image.stat().st_mtime)
     if parent is None:  # the bottom image: the record's own sif
         return EnvRecord(build.name, own.file, own.sha256, own.size, build.base, build.base_digest,
