@@ -30,7 +30,7 @@ host:
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test]' 'inspect-ai==0.3.285'
 	# The swebench extra without its harness's dependencies (docker, datasets, modal): only its specs are read.
 	$(PY) -m pip install -q --no-deps 'swebench==4.1.0'
 	touch $@

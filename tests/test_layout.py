@@ -18,6 +18,7 @@ STAGES = [
     {"runtime"},
     {"build"},
     {"graders"},
+    {"agents"},
     {"devtools", "cli", "slurm", "rewards"},
 ]
 

@@ -684,6 +684,30 @@ def test_a_lingering_session_leaves_a_ready_init_for_the_next_process(case):
     assert float(second.stdout) >= 0.9, "the second process's first run used the init made in between"
 
 
+@pytest.mark.parametrize("case", ["kernel", "userns"], indirect=True)
+def test_ready_inits_left_for_later_sessions_are_bounded_in_total(case):
+    """Each lingering session of another shape (here: another scratch size) leaves its own
+    ready init; over thousands of instances the holder keeps MAX_SPARES of them, not one each."""
+    from image_builder.runtime.holder import MAX_SPARES
+
+    for mb in range(MAX_SPARES + 4):
+        assert case.one(["true"], session={"linger": 60.0, "scratch_mb": 64 + mb}).exit_code == 0
+
+    def inits() -> list[int]:
+        return [pid for pid in processes_with(str(case.state_dir))
+                if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[1:2] == [b"session"]]
+
+    try:
+        assert eventually(lambda: len(inits()) <= MAX_SPARES), len(inits())
+        assert len(inits()) >= MAX_SPARES - 1, "the spares themselves are still kept"
+    finally:  # the lingering holder would hold its mounts for a minute: the leak checks below would see them
+        for pid in processes_with(str(case.state_dir)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:  # an init that left meanwhile
+                pass
+
+
 def test_writes_do_not_outlive_the_session(case):
     case.one(["sh", "-c", "echo new > /testbed/new.txt"])
     assert case.one(py("import os; print(os.path.exists('/testbed/new.txt'))")).stdout == b"False\n"
@@ -854,7 +878,7 @@ def test_without_its_init_no_holder_backend_is_offered(monkeypatch, tmp_path):
 def test_the_init_refuses_a_bad_command_line_in_one_line():
     r = subprocess.run([str(Path(sys.executable).parent / "image-builder-init"), "session"], capture_output=True,
                        text=True)
-    assert r.returncode == 2 and r.stderr.startswith("usage: image-builder-init session|joined BASE LOWER"), r
+    assert r.returncode == 2 and r.stderr.startswith("usage: image-builder-init session|joined|sandbox BASE LOWER"), r
 
 
 @pytest.mark.parametrize("memory_mb, events, expect", [

@@ -4,6 +4,7 @@
     execution.py       RunRequest, RunResult, Bind, Executor: what graders program against
     backends.py        detect_backend, doctor, open_session
     holder_session.py  kernel and userns sessions on the per-user mount holder
+    sandbox.py         Sandbox: one root kept from command to command (an agent's)
     holder.py, mounts.py, cgroups.py, native/   the holder process and its primitives
     apptainer.py, extract.py                    the other two backends
 

@@ -192,6 +192,19 @@ def doctor() -> list[DoctorLine]:
 # --- entry points ------------------------------------------------------------------------------------
 
 
+def checked_state_dir(layers: InstanceLayers, state_dir: Path | None) -> Path:
+    """The private state dir for sessions on `layers`, once their images are found and
+    (with digests) checked on this node."""
+    if not Path(layers.env_sif).is_file():
+        raise RunnerError(f"environment image {layers.env_sif} not found; build or pull it first")
+    state_dir = private_state_dir(Path(state_dir) if state_dir else default_state_dir())
+    if layers.digests:
+        from .checked import check_layers
+
+        check_layers(layers, state_dir)
+    return state_dir
+
+
 def open_session(layers: InstanceLayers, *, backend: Backend | None = None, state_dir: Path | None = None,
                  binds: tuple[Bind, ...] = (), max_processes: int = DEFAULT_MAX_PROCESSES, linger: float = 0.0,
                  scratch_mb: int | None = None, unpack_dir: Path | None = None) -> Session:
@@ -208,14 +221,10 @@ def open_session(layers: InstanceLayers, *, backend: Backend | None = None, stat
     runs by a third, this wins; squashfuse_cached comes close without it. `state_dir`
     (default: default_state_dir()) must be this user's, mode 700 (private_state_dir)."""
     backend = backend or detect_backend()
-    if not Path(layers.env_sif).is_file():
-        raise RunnerError(f"environment image {layers.env_sif} not found; build or pull it first")
     if backend is not Backend.APPTAINER or layers.digests:  # holder, trees, checked layers
-        state_dir = private_state_dir(Path(state_dir) if state_dir else default_state_dir())
-    if layers.digests:
-        from .checked import check_layers
-
-        check_layers(layers, state_dir)
+        state_dir = checked_state_dir(layers, state_dir)
+    elif not Path(layers.env_sif).is_file():
+        raise RunnerError(f"environment image {layers.env_sif} not found; build or pull it first")
     if backend in (Backend.KERNEL, Backend.USERNS):
         unpack_dir = unpack_dir or os.environ.get("IMAGE_BUILDER_UNPACK_DIR") or None
         return HolderSession(layers, backend, state_dir, tuple(binds), max_processes, linger, scratch_mb,

@@ -43,6 +43,7 @@ speak marshal (the same interpreter at both ends: the socket name says which):
                       (size -1: path is a directory, bound read-only)
                       "linger": s, "scratch_mb": n}        answer {"spec": {...}} or {"error": text}
   session -> holder  {"op": "init", "network": b}          answer {"network": b} + the init's control socket
+                     (with "keep": s, a sandbox's init: its root kept, s seconds idle at most)
 Session and init:
   session -> init    encode_job(job) (format in init.c) + stdin, stdout, stderr (a big job:
                      job_message(): its size + a memfd holding it)
@@ -143,15 +144,16 @@ def job_message(job: bytes) -> tuple[bytes, list[int]]:
     return b"IBJP" + struct.pack("<Q", len(job)), [memfd_with(job)]
 
 
-def spawn_init(program: str, spec: RootSpec, mode: str, ctl: int) -> int:
+def spawn_init(program: str, spec: RootSpec, mode: str, ctl: int, idle: float = IDLE_INIT) -> int:
     """Start image-builder-init for `spec` with `ctl` as its descriptor 3 (and the network
-    namespace to join as 4): "session" takes jobs there, "joined" one job, run on this
+    namespace to join as 4): "session" takes jobs there ("sandbox": keeping its root, for
+    `idle` seconds between jobs), "joined" one job, run on this
     process's stdin, stdout and stderr. posix_spawn (vfork): nothing of this process is
     copied. In a new pid namespace when the caller has unshared one."""
     netns = spec.netns
     argv = [program, mode, spec.base, spec.lower, str(int(spec.userxattr)), str(int(spec.network)),
             str(spec.scratch_mb or ""), spec.upper or "", spec.cgroup or "", "-1" if netns is None else "4",
-            spec.console or "", str(int(IDLE_INIT))]
+            spec.console or "", str(max(1, int(idle)))]
     for src, dest, readonly in spec.binds:
         argv += [src, dest, str(int(readonly))]
     # Above 4 first: dup2 onto 3 and 4 must not overwrite one of the two before it is copied.
@@ -167,6 +169,10 @@ def spawn_init(program: str, spec: RootSpec, mode: str, ctl: int) -> int:
 # --- the holder -----------------------------------------------------------------------------------
 
 _STARTUP_GRACE = 10.0  # seconds a new holder waits for its first client
+# Ready inits kept for sessions to come, over all the layer stacks: a trainer touching
+# thousands of instances must not leave one idle init (its namespaces, mounts and
+# tmpfs) per instance for IDLE_INIT seconds. The oldest goes first.
+MAX_SPARES = 16
 _NETNS_BATCH = 4
 
 
@@ -350,8 +356,9 @@ class Holder:
     def _spare_key(sess: _Session) -> tuple:
         return sess.spec["lower"], sess.spec["binds"], sess.spec["scratch_mb"]
 
-    def _start_init(self, sess: _Session, network: bool) -> socket.socket:
-        """A new init for `sess`; returns the session's end of its control socket."""
+    def _start_init(self, sess: _Session, network: bool, keep: float | None = None) -> socket.socket:
+        """A new init for `sess` (`keep`: a sandbox's, idle that long at most); returns the
+        session's end of its control socket."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         cgroup = self.cgroups.new() if self.cgroups else None
         # With none in the pool (a new holder), the init makes its own rather than wait for a batch.
@@ -360,7 +367,8 @@ class Holder:
         try:
             unshare(CLONE_NEWPID)  # for the next child only: undone right after
             try:
-                pid = spawn_init(self.init_program, spec, "session", child.fileno())
+                pid = spawn_init(self.init_program, spec, "session" if keep is None else "sandbox", child.fileno(),
+                                 IDLE_INIT if keep is None else keep)
             finally:
                 setns(self.pidns, CLONE_NEWPID)
         except OSError:
@@ -407,13 +415,15 @@ class Holder:
             if sess is None and msg.get("op") == "open":
                 self._open(conn, msg)
             elif sess is not None and msg.get("op") == "init":
-                network = bool(msg["network"])
-                made, ctl = self.spares.pop(self._spare_key(sess), (0.0, None)) if not network else (0.0, None)
+                network, keep = bool(msg["network"]), msg.get("keep")
+                keep = None if keep is None else float(keep)
+                made, ctl = self.spares.pop(self._spare_key(sess), (0.0, None)) if not network and keep is None \
+                    else (0.0, None)
                 if ctl is not None and time.monotonic() - made > IDLE_INIT / 2:  # it leaves soon
                     ctl.close()
                     ctl = None
                 try:
-                    ctl = ctl or self._start_init(sess, network)
+                    ctl = ctl or self._start_init(sess, network, keep)
                 except (OSError, RunnerError) as e:  # answered in order, like the others
                     send_fds(conn, {"network": network, "error": str(e)})
                     return
@@ -437,6 +447,8 @@ class Holder:
             del self.sessions[conn]
             self._release(sess.stack, sess.linger)
             if sess.linger and self._spare_key(sess) not in self.spares:
+                while len(self.spares) >= MAX_SPARES:  # dicts keep insertion order: the oldest first
+                    self.spares.pop(next(iter(self.spares)))[1].close()
                 try:
                     self.spares[self._spare_key(sess)] = (time.monotonic(), self._start_init(sess, False))
                 except (OSError, RunnerError):

@@ -215,7 +215,8 @@ class HolderSession(Session):
     run only sends its job to a ready init and reads the answer."""
 
     def __init__(self, layers: InstanceLayers, backend: Backend, state_dir: Path, binds: tuple[Bind, ...],
-                 max_processes: int, linger: float, scratch_mb: int | None, unpack_dir: Path | None):
+                 max_processes: int, linger: float, scratch_mb: int | None, unpack_dir: Path | None,
+                 first_init: bool = True):
         import threading
 
         from image_builder.pack.sif import SifError, partition_offset
@@ -256,8 +257,9 @@ class HolderSession(Session):
         # Inits whose last run left their root untouched, by (network, memory limit): the limits a
         # job sets on its init cannot be raised again, so an init only takes jobs like its first.
         self._reused: dict[tuple[bool, int | None], list[tuple[float, socket.socket]]] = {}
-        with self._lock:
-            self._ask(False)  # the first init gets ready while the caller prepares its run
+        if first_init:
+            with self._lock:
+                self._ask(False)  # the first init gets ready while the caller prepares its run
 
     # -- spare inits (all under self._lock) --
 
@@ -371,6 +373,22 @@ class HolderSession(Session):
             raise RunnerError(reply["error"])
         return build_result(got, request, wall, reply["exit_code"], reply["signal"], reply["timed_out"],
                        reply["peak_memory_kb"], reply["out_of_memory"])
+
+    def kept_init(self, network: bool, idle: float) -> socket.socket:
+        """The control socket of a new init whose root is kept from job to job (a
+        sandbox's: runtime/sandbox.py), idle `idle` seconds at most."""
+        with self._lock:
+            if self._conn is None:
+                raise RunnerError("the session is closed; open a new one")
+            while self._asked[False] or self._asked[True]:  # answers come in order: take those first
+                self._receive(block=True)
+            send_fds(self._conn, {"op": "init", "network": network, "keep": float(idle)})
+            reply, fds = recv_fds(self._conn, 1)
+        if reply is None:
+            raise RunnerError("the mount holder is gone (killed?); open a new sandbox")
+        if "error" in reply:
+            raise RunnerError(f"cannot start the sandbox: {reply['error']}")
+        return socket.socket(fileno=fds[0])
 
     def shell(self, argv: tuple[str, ...] = ("/bin/sh",), persist: Path | None = None, *,
               network: bool = False) -> int:

@@ -192,9 +192,11 @@ class Captured:
 
 
 def collect(out_r: int, err_r: int, max_output: int, deadline: float | None,
-            conn: socket.socket | None = None, done=None) -> Captured:
+            conn: socket.socket | None = None, done=None, until_reply: bool = False) -> Captured:
     """Drain stdout and stderr (keeping max_output bytes of each) until both close and,
-    with `conn`, a reply arrived; TimeoutError at `deadline`. `done()` is called while
+    with `conn`, a reply arrived; TimeoutError at `deadline`. `until_reply`: stop at the
+    reply with what was written by then (a sandbox's command has ended; what it left in
+    the background may hold the pipes open for long). `done()` is called while
     nothing happens (the extract backend watches its command there). Inside
     Session.stream, the output goes to the stream's descriptors instead (stderr's tail
     kept), and OutputCapped is raised past max_output of either (0: no limit): the
@@ -210,11 +212,16 @@ def collect(out_r: int, err_r: int, max_output: int, deadline: float | None,
     for fd in (out_r, err_r) + ((conn.fileno(),) if conn else ()):
         poller.register(fd, select.POLLIN)
     pending = len(bufs) + (1 if conn else 0)
+    replied = False
     while pending:
         wait = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+        if replied:
+            wait = 0
         if done is not None:
             wait = 20 if wait is None else min(wait, 20)
         events = poller.poll(wait)
+        if not events and replied:
+            break
         if not events:
             if done is not None:
                 done()
@@ -228,6 +235,7 @@ def collect(out_r: int, err_r: int, max_output: int, deadline: float | None,
                     pass
                 poller.unregister(fd)
                 pending -= 1
+                replied = until_reply
                 continue
             chunk = os.read(fd, 1 << 16)
             if not chunk:

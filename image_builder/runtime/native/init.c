@@ -15,7 +15,11 @@
  *                      CONSOLE IDLE_SECONDS [SRC DEST RO]...
  *   MODE: "session": jobs and answers on fd 3, the command's stdio passed with each job;
  *         "joined": one job from fd 3, run on this process's stdin/stdout/stderr in the
- *         caller's session (a shell keeps its terminal); exit with its status.
+ *         caller's session (a shell keeps its terminal); exit with its status;
+ *         "sandbox": as "session", but the root is kept from job to job (an agent's
+ *         sandbox, runtime/sandbox.py): what a job starts in the background keeps running
+ *         after it, a timeout kills the job's process group only, and IDLE_SECONDS is the
+ *         wait for each next job, not only the first.
  *   "" stands for none, NETNS_FD -1 for none. Paths are the holder's mount namespace's.
  *
  * A job (holder.encode_job), little-endian: "IBJ1", u32 nargv, u32 nenv, u32 nfiles,
@@ -77,7 +81,7 @@ struct mount_attr {
 extern char **environ;
 
 struct spec {
-    int joined;
+    int joined, keep;
     const char *base, *lower, *scratch_mb, *upper, *cgroup, *console;
     int userxattr, network, netns, idle_ms;
     int nbinds;
@@ -885,15 +889,17 @@ static int run_job(const struct spec *s, const struct job *j, const int stdio[3]
                     break;
                 }
         } else if (deadline >= 0 && now_us() >= deadline) {
-            /* From pid 1, kill(-1) reaches every process of this pid namespace. */
-            kill(-1, SIGKILL);
+            /* From pid 1, kill(-1) reaches every process of this pid namespace; a kept root
+               loses only the job's own process group (its setsid session). */
+            kill(s->keep ? -pid : -1, SIGKILL);
             r->timed_out = 1;
             while (wait4(pid, &status, 0, &ru) < 0 && errno == EINTR)
                 ;
             done = 1;
         }
     }
-    end_all();
+    if (!s->keep)
+        end_all();
     if (WIFEXITED(status))
         r->exit_code = WEXITSTATUS(status);
     if (WIFSIGNALED(status))
@@ -965,7 +971,21 @@ static int receive(const struct spec *s, char **data, size_t *len, int *owned, i
     struct pollfd p = {CTL, POLLIN, 0};
     struct iovec iov = {message, sizeof message};
     struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control, .msg_controllen = sizeof control};
-    if (!s->joined && poll(&p, 1, s->idle_ms) <= 0)
+    if (s->keep) { /* between a sandbox's jobs, what they left in the background ends: reap it */
+        struct pollfd both[2] = {{CTL, POLLIN, 0}, {children, POLLIN, 0}};
+        for (int64_t until = now_us() + (int64_t)s->idle_ms * 1000; !both[0].revents;) {
+            int64_t left = until - now_us();
+            if (left <= 0 || (poll(both, 2, (int)(left / 1000) + 1) < 0 && errno != EINTR))
+                return 1;
+            if (both[1].revents) {
+                struct signalfd_siginfo info;
+                while (read(children, &info, sizeof info) > 0)
+                    ;
+                while (waitpid(-1, NULL, WNOHANG) > 0)
+                    ;
+            }
+        }
+    } else if (!s->joined && poll(&p, 1, s->idle_ms) <= 0)
         return 1; /* a spare nobody used: a session kept open holds nothing for long */
     ssize_t n = recvmsg(CTL, &msg, MSG_CMSG_CLOEXEC);
     if (n <= 0)
@@ -999,9 +1019,11 @@ static int receive(const struct spec *s, char **data, size_t *len, int *owned, i
 }
 
 static int parse_spec(int argc, char **argv, struct spec *s) {
-    if (argc < 12 || (argc - 12) % 3 || (strcmp(argv[1], "session") && strcmp(argv[1], "joined")))
+    if (argc < 12 || (argc - 12) % 3 ||
+        (strcmp(argv[1], "session") && strcmp(argv[1], "joined") && strcmp(argv[1], "sandbox")))
         return -1;
-    *s = (struct spec){.joined = !strcmp(argv[1], "joined"), .base = argv[2], .lower = argv[3],
+    *s = (struct spec){.joined = !strcmp(argv[1], "joined"), .keep = !strcmp(argv[1], "sandbox"),
+                       .base = argv[2], .lower = argv[3],
                        .userxattr = !strcmp(argv[4], "1"), .network = !strcmp(argv[5], "1"),
                        .scratch_mb = argv[6], .upper = argv[7], .cgroup = argv[8], .netns = atoi(argv[9]),
                        .console = argv[10], .idle_ms = atoi(argv[11]) * 1000,
@@ -1012,7 +1034,7 @@ static int parse_spec(int argc, char **argv, struct spec *s) {
 int main(int argc, char **argv) {
     struct spec s;
     if (parse_spec(argc, argv, &s)) {
-        fprintf(stderr, "usage: image-builder-init session|joined BASE LOWER USERXATTR NETWORK SCRATCH_MB UPPER "
+        fprintf(stderr, "usage: image-builder-init session|joined|sandbox BASE LOWER USERXATTR NETWORK SCRATCH_MB UPPER "
                         "CGROUP NETNS_FD CONSOLE IDLE_SECONDS [SRC DEST RO]...\n(started by image_builder.runtime.holder)\n");
         return 2;
     }
@@ -1046,7 +1068,7 @@ int main(int argc, char **argv) {
     for (;;) {
         char *data = NULL;
         size_t len = 0;
-        int stdio[3], owned = 0, ran = -1;
+        int stdio[3] = {-1, -1, -1}, owned = 0, ran = -1;
         struct job j = {0};
         struct result r;
         int got = receive(&s, &data, &len, &owned, stdio);
@@ -1065,7 +1087,9 @@ int main(int argc, char **argv) {
                    host's. (Not before finish_root: its own /proc files become root's, uid_map
                    included.) */
                 prctl(PR_SET_DUMPABLE, 0);
-                if (mark_layer(&pristine, upper, 0, NULL))
+                if (s.keep)
+                    may_reuse = 0; /* a kept root goes on as it is: nothing to compare */
+                else if (mark_layer(&pristine, upper, 0, NULL))
                     may_reuse = 0;
                 pristine_top = pristine.len;
                 traces(&pristine, mqueues);
@@ -1088,6 +1112,13 @@ int main(int argc, char **argv) {
         }
         if (ran < 0) /* a setup error is answered to the first job */
             send_error();
+        if (ran < 0 && s.keep && finished) { /* a job's own error (its workdir, say): the sandbox goes on */
+            error[0] = 0;
+            for (int i = 0; i < 3; i++) /* run_job had not passed them on */
+                if (stdio[i] >= 0)
+                    close(stdio[i]);
+            continue;
+        }
         if (ran)
             return 0;
         /* A run that left its root as it found it (it wrote nothing but in /tmp or /dev/shm,
@@ -1108,8 +1139,8 @@ int main(int argc, char **argv) {
         m_bool(&a, "timed_out", r.timed_out);
         m_int(&a, "peak_memory_kb", r.peak_kb, r.peak_kb < 0);
         m_bool(&a, "out_of_memory", r.oom);
-        m_bool(&a, "reusable", reusable);
-        if (send_answer(&a) || !reusable)
+        m_bool(&a, "reusable", reusable || s.keep);
+        if (send_answer(&a) || !(reusable || s.keep))
             return 0;
     }
 }

@@ -1,0 +1,145 @@
+"""The Inspect AI sandbox provider "image_builder": Inspect's tools (bash(), python(),
+a scorer's sandbox().exec) run in a store's instance, without Docker.
+
+    Task(dataset=..., solver=..., sandbox=("image_builder", "sandbox.yaml"))
+
+sandbox.yaml (or an ImageBuilderConfig):
+
+    store: /scratch/stores/swebench-lite   # required
+    instance: marshmallow-code__marshmallow-1359   # else the sample's metadata["instance_id"]
+    network: false
+    memory_mb: 4096        # for the sandbox as a whole
+    disk_mb: 2048          # its writable layer (a tmpfs)
+    max_processes: 1024
+
+Registered through the `inspect_ai` entry point (pyproject.toml), so installing
+image_builder is enough. Each sample gets its own sandbox (agents/sandbox.py), closed
+in sample_cleanup; what its commands started in the background lives until then.
+Where Inspect leaves a choice, this provider: raises OutputLimitExceededError past
+the exec output limit (10 MiB by default) instead of keeping the tail; runs every
+command as root of the sandbox (other users: SandboxUserUnsupportedError); does not
+retry a timed-out command (timeout_retry is ignored: a retry would run the agent's
+command twice in a root that kept what the first did).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Union, overload
+
+import anyio
+import yaml
+from inspect_ai.util import (ExecResult, OutputLimitExceededError, SandboxEnvironment, SandboxEnvironmentConfigType,
+                             SandboxEnvironmentLimits, SandboxUnavailableError, SandboxUserUnsupportedError,
+                             sandboxenv)
+from pydantic import BaseModel
+
+from image_builder.runtime.mounts import RunnerError
+from image_builder.runtime.sandbox import SandboxUnavailable
+from image_builder.runtime.session import OutputCapped
+
+from .sandbox import AgentSandbox, open_sandbox
+
+_ROOT_USERS = (None, "root", "0")
+
+
+class ImageBuilderConfig(BaseModel, frozen=True):
+    store: str
+    instance: str | None = None
+    network: bool = False
+    memory_mb: int | None = None
+    disk_mb: int | None = None
+    max_processes: int | None = None
+
+
+def _config(config: SandboxEnvironmentConfigType | None) -> ImageBuilderConfig:
+    if isinstance(config, ImageBuilderConfig):
+        return config
+    if isinstance(config, str):
+        path = Path(config)
+        try:
+            doc = yaml.safe_load(path.read_text())
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+            raise ValueError(f"{path}: cannot read the image_builder sandbox config: {e}") from None
+        if not isinstance(doc, dict):
+            raise ValueError(f"{path}: an image_builder sandbox config is a mapping (store:, instance:, ...)")
+        base = path.resolve().parent
+        doc["store"] = str(base / doc["store"]) if "store" in doc else None
+        return ImageBuilderConfig(**doc)
+    raise ValueError("the image_builder sandbox needs a config: (\"image_builder\", \"sandbox.yaml\") naming the store")
+
+
+@sandboxenv(name="image_builder")
+class ImageBuilderSandboxEnvironment(SandboxEnvironment):
+    """One sample's sandbox on a store's instance."""
+
+    def __init__(self, box: AgentSandbox):
+        super().__init__()
+        self.box = box
+
+    @classmethod
+    def config_deserialize(cls, config: dict) -> BaseModel:
+        return ImageBuilderConfig(**config)
+
+    @classmethod
+    async def sample_init(cls, task_name: str, config: SandboxEnvironmentConfigType | None,
+                          metadata: dict[str, str]) -> dict[str, SandboxEnvironment]:
+        conf = _config(config)
+        instance = conf.instance or metadata.get("instance_id")
+        if not instance:
+            raise ValueError("the image_builder sandbox needs an instance: `instance:` in its config or the "
+                             "sample's metadata['instance_id']")
+        box = await anyio.to_thread.run_sync(lambda: open_sandbox(
+            conf.store, instance, network=conf.network, memory_mb=conf.memory_mb, disk_mb=conf.disk_mb,
+            max_processes=conf.max_processes))
+        return {"default": cls(box)}
+
+    @classmethod
+    async def sample_cleanup(cls, task_name: str, config: SandboxEnvironmentConfigType | None,
+                             environments: dict[str, SandboxEnvironment], interrupted: bool) -> None:
+        for env in environments.values():
+            if isinstance(env, ImageBuilderSandboxEnvironment):
+                await anyio.to_thread.run_sync(env.box.close)
+
+    async def exec(self, cmd: list[str], input: str | bytes | None = None, cwd: str | None = None,
+                   env: dict[str, str] | None = None, user: str | None = None, timeout: int | None = None,
+                   timeout_retry: bool = True, concurrency: bool = True) -> ExecResult[str]:
+        if user not in _ROOT_USERS:
+            raise SandboxUserUnsupportedError(f"the image_builder sandbox runs commands as root, not {user!r}")
+        limit = SandboxEnvironmentLimits.MAX_EXEC_OUTPUT_SIZE
+        try:
+            r = await anyio.to_thread.run_sync(lambda: self.box.exec(
+                cmd, input=input, cwd=cwd, env=env, timeout=timeout, max_output=limit))
+        except SandboxUnavailable as e:
+            raise SandboxUnavailableError(str(e)) from None
+        if r.timed_out:
+            raise TimeoutError(f"command timed out after {timeout} seconds")
+        stdout, stderr = r.stdout.decode(errors="replace"), r.stderr.decode(errors="replace")
+        if r.truncated:
+            raise OutputLimitExceededError(SandboxEnvironmentLimits.MAX_EXEC_OUTPUT_SIZE_STR, stdout)
+        code = r.exit_code if r.exit_code is not None else 128 + (r.signal or 0)
+        return ExecResult(success=code == 0, returncode=code, stdout=stdout, stderr=stderr)
+
+    async def write_file(self, file: str, contents: str | bytes) -> None:
+        await self._files(lambda: self.box.write_file(file, contents))
+
+    @overload
+    async def read_file(self, file: str, text: Literal[True] = True) -> str: ...
+
+    @overload
+    async def read_file(self, file: str, text: Literal[False]) -> bytes: ...
+
+    async def read_file(self, file: str, text: bool = True) -> Union[str | bytes]:
+        limit = SandboxEnvironmentLimits.MAX_READ_FILE_SIZE
+        try:
+            return await self._files(lambda: self.box.read_file(file, text=text, limit=limit))
+        except OutputCapped:
+            raise OutputLimitExceededError(SandboxEnvironmentLimits.MAX_READ_FILE_SIZE_STR, None) from None
+
+    async def _files(self, call):
+        try:
+            return await anyio.to_thread.run_sync(call)
+        except SandboxUnavailable as e:
+            raise SandboxUnavailableError(str(e)) from None
+        except RunnerError as e:
+            raise PermissionError(str(e)) from None

@@ -1,0 +1,280 @@
+"""A sandbox that lasts: one instance root kept from command to command, for an agent
+that works in it for many turns (the agents/ stage puts tasks and scoring on top).
+
+    with open_sandbox(InstanceLayers(env_sif, (inst_sqfs,), env, "/testbed")) as box:
+        box.exec(["sh", "-c", "python3 -m http.server 8000 >/tmp/log 2>&1 &"])
+        box.exec(["curl", "-s", "localhost:8000"])   # the server is still there
+        box.write_file("fix.py", b"...")            # relative: under the workdir
+
+It is a run's root (session.py says what a run gets) whose init (native/init.c,
+"sandbox" mode) takes one job after another without tearing the root down: files,
+installed packages and background processes stay until close(). Every exec is its own
+process group; its timeout kills that group, not what earlier execs left running. The
+limits hold for the sandbox as a whole: memory (its cgroup where one is delegated,
+else each exec's RLIMIT_AS), processes (RLIMIT_NPROC counts the sandbox's user
+namespace), and the writable layer, a tmpfs sized by `disk_mb` (memory, never the
+store's file system). Commands run as root of the sandbox's user namespace, which maps
+no other user. Execs are taken one at a time (the init runs one job at a time).
+
+When the holder or the init dies, the next call raises SandboxUnavailable instead
+of hanging: the init dies with its holder (PR_SET_PDEATHSIG) and the socket says so.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import posixpath
+import socket
+import stat
+import tarfile
+import threading
+import time
+from pathlib import Path
+
+from .execution import Bind, RunRequest, RunResult
+from .holder import DEFAULT_MAX_PROCESSES, encode_job, job_message, send_fds
+from .mounts import RunnerError
+from .session import Backend, InstanceLayers, OutputCapped, build_job, build_result, collect, stdin_fd
+
+DEFAULT_IDLE = 3600.0  # seconds a sandbox waits for its next command before it ends
+FILE_LIMIT = 100 << 20  # bytes read_file and download return at most (Inspect's read_file limit)
+_REPORT_GRACE = 5.0  # seconds past an exec's timeout its answer may take (the kill, the reaping)
+_ROOT_USERS = (None, "root", "0")
+_HELPER_TIMEOUT = 600.0  # seconds for a file helper: a fifo planted where a file was expected must not hang us
+
+# read_file/write_file through the sandbox's own shell: a symlink the agent planted is
+# followed as the agent's own processes would follow it, never by a privileged process.
+_READ = ('[ -e "$1" ] || exit 3; [ -d "$1" ] && exit 4; [ -r "$1" ] || exit 5; exec cat -- "$1"')
+_WRITE = ('[ -d "$1" ] && exit 4; d=$(dirname -- "$1"); mkdir -p -- "$d" || exit 5; '
+          'cat > "$1" || exit 5')
+
+
+class SandboxUnavailable(RunnerError):
+    """The sandbox is gone: closed, idle past its timeout, or its holder or init killed."""
+
+
+class Sandbox:
+    """A live instance root (see the module docstring); a context manager."""
+
+    def __init__(self, layers: InstanceLayers, *, backend: Backend | None = None, state_dir: Path | None = None,
+                 binds: tuple[Bind, ...] = (), network: bool = False, memory_mb: int | None = None,
+                 max_processes: int = DEFAULT_MAX_PROCESSES, disk_mb: int | None = None,
+                 idle: float = DEFAULT_IDLE, unpack_dir: Path | None = None):
+        from .backends import checked_state_dir, detect_backend
+        from .holder_session import HolderSession
+
+        backend = backend or detect_backend()
+        if backend not in (Backend.KERNEL, Backend.USERNS):
+            raise RunnerError(f"a sandbox needs the kernel or userns backend, not {backend.value}; "
+                              "see `image-builder doctor`")
+        self.layers = layers
+        self.memory_mb = memory_mb
+        self.max_processes = max_processes
+        self.network = network
+        self._lock = threading.Lock()
+        state_dir = checked_state_dir(layers, state_dir)
+        self._session = HolderSession(layers, backend, state_dir, tuple(binds), max_processes, 0.0, disk_mb,
+                                      unpack_dir, first_init=False)
+        try:
+            self._ctl: socket.socket | None = self._session.kept_init(network, idle)
+            first = self.exec(["true"])  # builds the root: its errors surface here, not at the agent's first call
+        except BaseException:
+            self.close()
+            raise
+        if first.exit_code != 0:
+            self.close()
+            raise RunnerError(f"the sandbox cannot run commands: {first.stderr.decode(errors='replace').strip()}")
+
+    # -- commands --
+
+    def exec(self, argv: list[str] | tuple[str, ...], input: bytes | str | None = None, cwd: str | None = None,
+             env: dict[str, str] | None = None, user: str | None = None, timeout: float | None = None,
+             max_output: int = 1 << 20) -> RunResult:
+        """Run `argv` in the sandbox and wait for it (not for what it leaves in the
+        background). `cwd` relative to the workdir; `env` over the image's. The result's
+        `truncated` says output went over `max_output` bytes (of stdout or stderr)."""
+        if user not in _ROOT_USERS:
+            raise RunnerError(f"user {user!r}: a sandbox runs commands as root (its user namespace maps no "
+                              "other user)")
+        if isinstance(input, str):
+            input = input.encode()
+        workdir = posixpath.join(self.layers.workdir, cwd) if cwd else None
+        request = RunRequest(tuple(argv), stdin=input, env=dict(env or {}), workdir=workdir, timeout=timeout,
+                             memory_mb=self.memory_mb, max_output=max_output, network=self.network)
+        job = encode_job(build_job(self.layers, request, self.max_processes))
+        with self._lock:
+            if self._ctl is None:
+                raise SandboxUnavailable("the sandbox is closed")
+            return self._exec_locked(request, job)
+
+    def _exec_locked(self, request: RunRequest, job: bytes) -> RunResult:
+        out_r = err_r = None
+        try:
+            fds = [stdin_fd(request.stdin)]
+            out_r, out_w = os.pipe2(os.O_CLOEXEC)
+            err_r, err_w = os.pipe2(os.O_CLOEXEC)
+            fds += [out_w, err_w]
+            try:
+                msg, payload = job_message(job)
+                fds += payload
+                t0 = time.monotonic()
+                try:
+                    send_fds(self._ctl, msg, fds)
+                except OSError:
+                    self._gone()
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            deadline = None if request.timeout is None else t0 + request.timeout + _REPORT_GRACE
+            try:
+                got = collect(out_r, err_r, request.max_output, deadline, self._ctl, until_reply=True)
+            except TimeoutError:
+                self._gone("it did not answer after the command's timeout")
+            wall = time.monotonic() - t0
+        except SandboxUnavailable:
+            raise
+        except BaseException:
+            self._drop()  # interrupted mid-command (Ctrl-C): what the init does next is unknown
+            raise
+        finally:
+            for fd in (out_r, err_r):
+                if fd is not None:
+                    os.close(fd)
+        reply = got.reply
+        if reply is None:
+            self._gone()
+        if "error" in reply:
+            raise RunnerError(reply["error"])
+        return build_result(got, request, wall, reply["exit_code"], reply["signal"], reply["timed_out"],
+                            reply["peak_memory_kb"], reply["out_of_memory"])
+
+    def _drop(self) -> None:
+        ctl, self._ctl = self._ctl, None
+        if ctl is not None:
+            ctl.close()  # the init sees EOF and ends: every process of the sandbox with it
+
+    def _gone(self, why: str = "its init or holder was killed, or it sat idle past its timeout") -> None:
+        self._drop()
+        raise SandboxUnavailable(f"the sandbox is gone: {why}; start a new one")
+
+    # -- files --
+
+    def _path(self, path: str) -> str:
+        return posixpath.join(self.layers.workdir, path)
+
+    def read_file(self, path: str, text: bool = True, limit: int = FILE_LIMIT) -> str | bytes:
+        """The file's bytes (text: decoded as UTF-8, newlines as they are).
+        FileNotFoundError, IsADirectoryError, PermissionError as for a local file;
+        OutputCapped past `limit` bytes; UnicodeDecodeError for text that is not UTF-8."""
+        full = self._path(path)
+        r = self.exec(["sh", "-c", _READ, "read_file", full], max_output=limit, timeout=_HELPER_TIMEOUT)
+        _raise_for(r, full)
+        if r.truncated:
+            raise OutputCapped(full, limit)
+        return r.stdout.decode() if text else r.stdout
+
+    def write_file(self, path: str, data: str | bytes) -> None:
+        """Write `data` exactly (str as UTF-8; CRLF kept), making missing parents."""
+        full = self._path(path)
+        r = self.exec(["sh", "-c", _WRITE, "write_file", full], input=data.encode() if isinstance(data, str) else data,
+                      timeout=_HELPER_TIMEOUT)
+        _raise_for(r, full)
+
+    def upload(self, host_path: str | os.PathLike, path: str) -> None:
+        """Copy a host file or tree to `path` (made if missing; a tree's contents go in it)."""
+        host = Path(host_path)
+        full = self._path(path)
+        if host.is_file():
+            self.write_file(full, host.read_bytes())
+            return
+        if not host.is_dir():
+            raise FileNotFoundError(f"{host}: no such file or directory on the host")
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            for child in sorted(host.iterdir()):
+                tar.add(child, arcname=child.name)
+        r = self.exec(["sh", "-c", 'mkdir -p -- "$1" && exec tar -x -C "$1" -f -', "upload", full],
+                      input=buf.getvalue(), timeout=_HELPER_TIMEOUT)
+        _raise_for(r, full)
+
+    def download(self, path: str, host_path: str | os.PathLike, limit: int = FILE_LIMIT) -> None:
+        """Copy the sandbox's file or tree at `path` to `host_path` on the host (which must
+        not exist). Regular files, directories and symlinks only; symlinks are made last,
+        so nothing is written through one: a hostile tree cannot reach outside host_path."""
+        full = self._path(path)
+        r = self.exec(["sh", "-c", '[ -e "$1" ] || exit 3; cd "$(dirname -- "$1")" && '
+                       'exec tar -c -f - -- "$(basename -- "$1")"', "download", full], max_output=limit,
+                      timeout=_HELPER_TIMEOUT)
+        _raise_for(r, full)
+        if r.truncated:
+            raise OutputCapped(full, limit)
+        _untar_confined(r.stdout, Path(host_path))
+
+    # -- the end --
+
+    def alive(self) -> bool:
+        try:
+            return self.exec(["true"], timeout=30).exit_code == 0
+        except SandboxUnavailable:
+            return False
+
+    def close(self) -> None:
+        """End the sandbox: every process in it is killed and its writable layer freed."""
+        with self._lock:
+            self._drop()
+        self._session.close()
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _raise_for(r: RunResult, path: str) -> None:
+    """The local error a file helper's exit status stands for."""
+    if r.exit_code == 0:
+        return
+    if r.exit_code == 3:
+        raise FileNotFoundError(2, "No such file or directory", path)
+    if r.exit_code == 4:
+        raise IsADirectoryError(21, "Is a directory", path)
+    if r.exit_code == 5 or b"ermission denied" in r.stderr or b"Read-only file system" in r.stderr:
+        raise PermissionError(13, "Permission denied", path)
+    why = r.stderr.decode(errors="replace").strip().splitlines()
+    raise RunnerError(f"{path}: {why[-1] if why else f'exit status {r.exit_code}'}")
+
+
+def _untar_confined(data: bytes, dest: Path) -> None:
+    """Unpack a tar made inside a sandbox at `dest`: names confined (no absolute path,
+    no ..), regular files, directories and symlinks only, modes without set-id bits, and
+    symlinks made after every file so none is written through."""
+    if dest.exists() or dest.is_symlink():
+        raise FileExistsError(17, "File exists", str(dest))
+    links: list[tuple[Path, str]] = []
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+        members = tar.getmembers()
+        top = {m.name.split("/", 1)[0] for m in members}
+        for m in members:
+            parts = Path(m.name).parts
+            if not parts or Path(m.name).is_absolute() or ".." in parts or len(top) != 1:
+                raise RunnerError(f"download: refusing the entry {m.name!r}")
+            target = dest.joinpath(*parts[1:]) if len(parts) > 1 else dest
+            if m.isdir():
+                target.mkdir(parents=True, exist_ok=True)
+                target.chmod(m.mode & 0o777 | stat.S_IRWXU)
+            elif m.isfile():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with open(target, "xb") as f, tar.extractfile(m) as src:
+                    f.write(src.read())
+                target.chmod(m.mode & 0o777)
+            elif m.issym():
+                links.append((target, m.linkname))
+            else:
+                raise RunnerError(f"download: {m.name!r} is not a file, directory or symlink")
+    for target, linkname in links:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(linkname, target)
+
+

@@ -1,0 +1,79 @@
+"""Runs steps on one runtime Sandbox in its own process, so that tests can run it as
+another user (setpriv) and kill its holder in the middle.
+
+    python sandbox_driver.py < scenario.json   # prints one JSON line per step
+
+scenario: {"layers": {"env_sif", "overlays", "env", "workdir"}, "backend", "state_dir",
+"sandbox": Sandbox keywords, "steps": [[op, {keywords}]...]}; ops: exec (exec's keywords,
+input as base64), read_file / write_file (data as base64) / download, sleep {seconds},
+kill_holder (SIGKILL to the mount holder), close. A step's line: {"ok": result} or
+{"error": exception type, "message"}; exec's result is RunResult's fields, bytes as base64.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from image_builder.runtime.sandbox import Sandbox  # noqa: E402
+from image_builder.runtime.session import Backend, InstanceLayers  # noqa: E402
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _step(box: Sandbox, op: str, kw: dict):
+    if op == "exec":
+        if kw.get("input") is not None:
+            kw["input"] = base64.b64decode(kw["input"])
+        out = asdict(box.exec(**kw))
+        out["stdout"], out["stderr"] = _b64(out["stdout"]), _b64(out["stderr"])
+        return out
+    if op == "read_file":
+        data = box.read_file(kw["path"], text=False)
+        return _b64(data)
+    if op == "write_file":
+        return box.write_file(kw["path"], base64.b64decode(kw["data"]))
+    if op == "download":
+        box.download(kw["path"], kw["host_path"])
+        return sorted(str(p.relative_to(kw["host_path"])) for p in Path(kw["host_path"]).rglob("*"))
+    if op == "sleep":
+        return time.sleep(kw["seconds"])
+    if op == "kill_holder":
+        os.kill(box._session._holder_pid, signal.SIGKILL)
+        return time.sleep(0.5)
+    if op == "close":
+        return box.close()
+    raise ValueError(op)
+
+
+def main() -> int:
+    sc = json.load(sys.stdin)
+    lay = sc["layers"]
+    layers = InstanceLayers(Path(lay["env_sif"]), tuple(Path(p) for p in lay["overlays"]), lay["env"],
+                            lay.get("workdir", "/"))
+    box = Sandbox(layers, backend=Backend(sc["backend"]), state_dir=Path(sc["state_dir"]), **sc.get("sandbox", {}))
+    print(json.dumps({"ok": box._session._holder_pid}), flush=True)
+    try:
+        for op, kw in sc["steps"]:
+            try:
+                line = {"ok": _step(box, op, dict(kw))}
+            except Exception as e:  # the test reads which one
+                line = {"error": type(e).__name__, "message": str(e)}
+            print(json.dumps(line), flush=True)
+    finally:
+        box.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""Sandboxes that last (runtime/sandbox.py) on the real runtime: kernel as root, userns
+as uid 65534. Each scenario runs in tests/support/sandbox_driver.py, a process of its
+own, so it runs as that user and its holder can be killed under it."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.test_runtime import NOBODY, _env_sif, _images, eventually, processes_with
+
+DRIVER = Path(__file__).parent / "support" / "sandbox_driver.py"
+
+
+@pytest.fixture(scope="module")
+def images():
+    """test_runtime's images: the Debian environment and an instance layer adding /testbed."""
+    imgs = _images(_env_sif(slim=False))
+    yield imgs
+    shutil.rmtree(imgs.dir, ignore_errors=True)
+
+
+@pytest.fixture(params=["kernel", "userns"])
+def backend(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def state_dir(backend):
+    d = Path(tempfile.mkdtemp(prefix=f"ib-sandbox-{backend}-"))
+    if backend == "userns":
+        os.chown(d, NOBODY, NOBODY)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def scenario(images, backend: str, state_dir: Path, steps: list, **sandbox) -> list[dict]:
+    """Run `steps` on one sandbox as the backend's user; one answer per step (the first
+    line, the holder's pid, is dropped)."""
+    cmd = [sys.executable, str(DRIVER)]
+    if backend == "userns":
+        cmd = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *cmd]
+    sc = {"layers": images.layers(), "backend": backend, "state_dir": str(state_dir), "sandbox": sandbox,
+          "steps": steps}
+    proc = subprocess.run(cmd, input=json.dumps(sc).encode(), capture_output=True, timeout=300, cwd="/",
+                          env={**os.environ, "HOME": str(state_dir)})
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(lines) == len(steps) + 1, (lines, proc.stderr.decode()[-2000:])
+    return lines[1:]
+
+
+def sh(script: str, **kw) -> list:
+    return ["exec", {"argv": ["sh", "-c", script], **kw}]
+
+
+def out(answer: dict) -> bytes:
+    assert "ok" in answer, answer
+    return base64.b64decode(answer["ok"]["stdout"])
+
+
+def test_files_and_background_processes_last_from_one_exec_to_the_next(images, backend, state_dir):
+    server = ("import http.server, os; os.chdir('/testbed'); "
+              "http.server.HTTPServer(('127.0.0.1', 8123), http.server.SimpleHTTPRequestHandler).serve_forever()")
+    fetch = "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8123/hello.txt').read().decode())"
+    wait = "for i in $(seq 50); do python3 -c \"$0\" 2>/dev/null && exit 0; sleep 0.1; done; exit 1"
+    got = scenario(images, backend, state_dir, [
+        sh("echo changed > /testbed/hello.txt; pip_like=/usr/local/lib/installed; mkdir -p $pip_like; touch $pip_like/pkg"),
+        ["exec", {"argv": ["python3", "-c", server + "  # started in the background"], "timeout": 0.5}],
+        sh(f"python3 -c \"{server}\" >/tmp/server.log 2>&1 & echo started"),
+        ["exec", {"argv": ["sh", "-c", wait, fetch]}],
+        ["exec", {"argv": ["python3", "-c", fetch]}],
+        sh("cat /testbed/hello.txt; ls /usr/local/lib/installed; echo $FOO"),
+    ])
+    assert got[1]["ok"]["timed_out"], "a foreground server is stopped by its exec's timeout"
+    assert out(got[2]) == b"started\n" and got[2]["ok"]["wall_time"] < 5, "an exec does not wait for its background"
+    assert got[3]["ok"]["exit_code"] == 0, got[3]
+    assert out(got[4]) == b"changed\n\n", "the server started two execs before still answers"
+    assert out(got[5]) == b"changed\npkg\nbar\n"
+
+
+def test_a_timeout_kills_that_exec_only(images, backend, state_dir):
+    mark = {"kernel": "2001.5", "userns": "2002.5"}[backend]
+    got = scenario(images, backend, state_dir, [
+        sh(f"sleep {mark}0 >/dev/null 2>&1 & echo bg"),
+        sh(f"sleep {mark} & sleep {mark}", timeout=1.0),
+        ["sleep", {"seconds": 0.5}],
+        sh("ps -eo args 2>/dev/null || for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done"),
+    ])
+    assert got[1]["ok"]["timed_out"] and got[1]["ok"]["wall_time"] < 10
+    left = out(got[3]).decode()
+    assert f"sleep {mark}0" in left, "what an earlier exec left in the background survives"
+    assert f"sleep {mark} " not in left + " ", "the timed-out exec's process group is gone"
+
+
+def test_file_helpers_are_byte_exact_and_raise_local_errors(images, backend, state_dir):
+    data = b"line one\r\nline two\x00\xff\n"
+    host = state_dir / "dl"
+    got = scenario(images, backend, state_dir, [
+        ["write_file", {"path": "new/dir/file.bin", "data": base64.b64encode(data).decode()}],
+        ["read_file", {"path": "/testbed/new/dir/file.bin"}],
+        ["read_file", {"path": "missing.txt"}],
+        ["read_file", {"path": "new"}],
+        ["write_file", {"path": "new", "data": ""}],
+        sh("ln -s /etc/hostname /testbed/new/link; mkfifo /testbed/new/fifo 2>/dev/null; true"),
+        ["download", {"path": "new", "host_path": str(host)}],
+        ["exec", {"argv": ["pwd"], "cwd": "new/dir"}],
+        ["exec", {"argv": ["pwd"], "cwd": "no/such/dir"}],
+        ["exec", {"argv": ["echo", "still here"]}],
+        ["exec", {"argv": ["true"], "user": "nobody"}],
+    ])
+    assert base64.b64decode(got[1]["ok"]) == data
+    assert got[2]["error"] == "FileNotFoundError" and got[3]["error"] == "IsADirectoryError"
+    assert got[4]["error"] == "IsADirectoryError"
+    assert got[6].get("error") in (None, "RunnerError"), got[6]
+    if "ok" in got[6]:  # mkfifo made a fifo: the download refuses it in one line; else the tree came
+        assert {"dir", "dir/file.bin", "link"} <= set(got[6]["ok"])
+        assert (host / "dir" / "file.bin").read_bytes() == data and os.readlink(host / "link") == "/etc/hostname"
+    else:
+        assert "fifo" in got[6]["message"]
+    assert out(got[7]) == b"/testbed/new/dir\n"
+    assert got[8]["error"] == "RunnerError" and "no/such/dir" in got[8]["message"]
+    assert out(got[9]) == b"still here\n", "a failed exec leaves the sandbox usable"
+    assert got[10]["error"] == "RunnerError" and "root" in got[10]["message"]
+
+
+def test_a_killed_holder_makes_the_next_call_fail_fast(images, backend, state_dir):
+    got = scenario(images, backend, state_dir, [
+        sh("echo alive"),
+        ["kill_holder", {}],
+        sh("echo after", timeout=30),
+        sh("echo again"),
+    ])
+    assert out(got[0]) == b"alive\n"
+    assert got[2]["error"] == "SandboxUnavailable" and got[3]["error"] == "SandboxUnavailable", got
+
+
+def test_nothing_is_left_after_close(images, backend, state_dir):
+    scenario(images, backend, state_dir, [sh("sleep 3003.5 >/dev/null 2>&1 & echo bg"), ["close", {}]])
+    assert eventually(lambda: not processes_with("sleep 3003.5"), 20), "a background process outlived close()"
+
+
+def test_the_sandbox_is_bounded_as_a_whole(images, backend, state_dir):
+    """The writable layer is a sized tmpfs (disk_mb), and the process limit counts every
+    process of the sandbox, those left running by earlier execs included."""
+    got = scenario(images, backend, state_dir, [
+        sh("head -c 80M /dev/zero > /testbed/big; echo $?"),
+        sh("for i in $(seq 12); do sleep 60 >/dev/null 2>&1 & done; echo spawned"),
+        sh("for i in $(seq 30); do sleep 60 >/dev/null 2>&1 & done; echo done"),
+    ], disk_mb=32, max_processes=20)
+    assert out(got[0]) != b"0\n", "80 MB fit in a 32 MB writable layer"
+    assert out(got[1]) == b"spawned\n"
+    assert base64.b64decode(got[2]["ok"]["stderr"]), "30 more processes started beside the first 12"
