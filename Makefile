@@ -30,7 +30,7 @@ host:
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -e '.[test]' 'inspect-ai==0.3.285'
+	$(PY) -m pip install -q -e '.[test]' 'inspect-ai==0.3.285' 'mini-swe-agent==2.4.6'
 	# The swebench extra without its harness's dependencies (docker, datasets, modal): only its specs are read.
 	$(PY) -m pip install -q --no-deps 'swebench==4.1.0'
 	touch $@

@@ -792,6 +792,166 @@ def import_command(refs, store, list_file, env_layers, id_from, jobs, shard, cac
                f"the rest from the cache); {summary.seconds:.1f} s; index: {summary.index}")
 
 
+@main.group(name="sandbox")
+def sandbox_group():
+    """Sandboxes that last: an instance root kept from command to command for an agent,
+    held by this user's mount holder until `sandbox stop` or an idle timeout."""
+
+
+def _attach(sandbox_id: str, backend: str | None):
+    from image_builder.agents.sandbox import AgentSandbox
+    from image_builder.runtime.session import Backend
+    return AgentSandbox.attach(sandbox_id, backend=Backend(backend) if backend else None)
+
+
+sandbox_backend_option = click.option("--backend", type=click.Choice(["kernel", "userns"]),
+                                      help="Default: kernel as root, userns otherwise.")
+
+
+@sandbox_group.command(name="start")
+@click.argument("instance")
+@store_option
+@click.option("--tasks", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="SWE-bench/ImpossibleBench JSONL: INSTANCE is one of its task ids, started as --access has it.")
+@click.option("--access", type=click.Choice(["open", "read-only", "hidden"]), default="open", show_default=True,
+              help="Test access (with --tasks): open and read-only start with the test patch applied; hidden "
+                   "without the files it touches.")
+@click.option("--memory", type=click.IntRange(1), metavar="MB", help="For the sandbox as a whole.")
+@click.option("--disk", type=click.IntRange(1), metavar="MB", help="Its writable layer (a tmpfs).")
+@click.option("--net", is_flag=True, help="Allow network access (off by default).")
+@click.option("--idle", type=click.FloatRange(min=1), default=3600.0, show_default=True, metavar="SECONDS",
+              help="It ends after this long without a command.")
+@sandbox_backend_option
+@_one_line_errors
+def sandbox_start(instance, store, tasks, access, memory, disk, net, idle, backend):
+    """Start a sandbox on INSTANCE; prints its id."""
+    from image_builder.agents.sandbox import open_sandbox
+    from image_builder.runtime.session import Backend
+    task = None
+    if tasks is not None:
+        from image_builder.graders import RepoTask, load_tasks
+        task = next((t for t in load_tasks(tasks) if t.task_id == instance), None)
+        if not isinstance(task, RepoTask):
+            raise click.UsageError(f"{tasks}: no SWE-bench task {instance!r}")
+    box = open_sandbox(store, None if task else instance, task=task, access=access, memory_mb=memory, disk_mb=disk,
+                       network=net, idle=idle, backend=Backend(backend) if backend else None)
+    try:
+        click.echo(box.park())
+    finally:
+        box.close()
+
+
+@sandbox_group.command(name="exec", context_settings={"allow_interspersed_args": False})
+@click.argument("sandbox_id")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), help="Seconds; kills this command's "
+              "process group (what earlier commands left running stays).")
+@click.option("-e", "--env", "env_vars", multiple=True, metavar="K=V", help="An environment variable.")
+@click.option("--cwd", help="Relative to the instance's workdir.")
+@click.option("--max-output", type=_Size(), default="1G", show_default=True, metavar="SIZE",
+              help=f"As `run`'s: past it the command is stopped, exit status {_CAPPED}.")
+@sandbox_backend_option
+@_one_line_errors
+def sandbox_exec(sandbox_id, command, timeout, env_vars, cwd, max_output, backend):
+    """Run COMMAND in the sandbox: exit status and output as if it ran here (as `run`)."""
+    import posixpath
+
+    from image_builder.runtime.execution import RunRequest
+    from image_builder.runtime.session import OutputCapped
+    if command[0] == "--":
+        command = command[1:]
+    env = dict(v.split("=", 1) for v in env_vars if "=" in v)
+    with _attach(sandbox_id, backend) as box:
+        request = RunRequest(tuple(command), env=env, timeout=timeout, max_output=max_output,
+                             workdir=posixpath.join(box.layers.workdir, cwd) if cwd else None)
+        try:
+            result = box.stream(request, stdin=0)
+        except OutputCapped as e:
+            click.echo(f"image-builder: {e.stream} went over --max-output ({e.limit} bytes): the command was "
+                       "stopped", err=True)
+            sys.exit(_CAPPED)
+        except BrokenPipeError:
+            sys.exit(141)
+    if result.timed_out:
+        click.echo(f"image-builder: timed out after {timeout:g} s", err=True)
+        sys.exit(124)
+    sys.exit(result.exit_code if result.exit_code is not None else 128 + (result.signal or 0))
+
+
+@sandbox_group.command(name="cp")
+@click.argument("source")
+@click.argument("dest")
+@sandbox_backend_option
+@_one_line_errors
+def sandbox_cp(source, dest, backend):
+    """Copy between the host and a sandbox: `ID:PATH HOST_PATH` or `HOST_PATH ID:PATH` (trees too)."""
+    inside = [":" in x and not x.startswith(("/", ".")) for x in (source, dest)]
+    if inside.count(True) != 1:
+        raise click.UsageError("name the sandbox side as ID:PATH on exactly one side")
+    sandbox_id, path = (source if inside[0] else dest).split(":", 1)
+    with _attach(sandbox_id, backend) as box:
+        try:
+            box.download(path, dest) if inside[0] else box.upload(source, path)
+        except OSError as e:  # FileNotFoundError and the like, for either side
+            raise click.ClickException(f"{e.filename or path}: {e.strerror or e}") from None
+
+
+@sandbox_group.command(name="diff")
+@click.argument("sandbox_id")
+@sandbox_backend_option
+@_one_line_errors
+def sandbox_diff(sandbox_id, backend):
+    """The candidate patch: what changed in the workdir since the sandbox started (SWE-bench's diff)."""
+    with _attach(sandbox_id, backend) as box:
+        sys.stdout.write(box.diff())
+
+
+@sandbox_group.command(name="score")
+@click.argument("sandbox_id")
+@sandbox_backend_option
+@_one_line_errors
+def sandbox_score(sandbox_id, backend):
+    """Grade the sandbox's diff in a fresh instance (started with --tasks); prints the feedback its access
+    mode allows. Exit status 0 when resolved, 1 when not."""
+    with _attach(sandbox_id, backend) as box:
+        got = box.score()
+    click.echo(got.feedback)
+    sys.exit(0 if got.result.passed else 1)
+
+
+@sandbox_group.command(name="ls")
+@click.option("--json", "as_json", is_flag=True)
+@sandbox_backend_option
+@_one_line_errors
+def sandbox_ls(as_json, backend):
+    """This user's sandboxes."""
+    import time
+
+    from image_builder.runtime.sandbox import kept_sandboxes
+    from image_builder.runtime.session import Backend
+    rows = [{"id": k["id"], "instance": (k["info"].get("agent") or {}).get("instance"),
+             "access": (k["info"].get("agent") or {}).get("access"), "started": k["made"], "busy": k["busy"]}
+            for k in kept_sandboxes(backend=Backend(backend) if backend else None)]
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    for r in rows:
+        click.echo(f"{r['id']}  {r['instance']}  {r['access']}  up {time.time() - r['started']:.0f} s"
+                   f"{'  busy' if r['busy'] else ''}")
+
+
+@sandbox_group.command(name="stop")
+@click.argument("sandbox_ids", nargs=-1, required=True)
+@sandbox_backend_option
+@_one_line_errors
+def sandbox_stop(sandbox_ids, backend):
+    """End sandboxes: every process in them is killed, their writable layers freed."""
+    from image_builder.runtime.sandbox import stop_sandbox
+    from image_builder.runtime.session import Backend
+    for sid in sandbox_ids:
+        stop_sandbox(sid, backend=Backend(backend) if backend else None)
+
+
 @main.group(name="base")
 def base_group():
     """Make base images locally, for sites without a registry."""

@@ -200,6 +200,16 @@ def marshmallow_store(registries, debian_base, debian_bullseye_base, tmp_path_fa
 
 
 @pytest.fixture(scope="session")
+def public_store(marshmallow_store, public_dir) -> Path:
+    """The marshmallow store where uid 65534 can read it (hard links, no copy)."""
+    dest = public_dir / "marshmallow-store"
+    shutil.copytree(marshmallow_store, dest, copy_function=os.link)
+    for path in [dest, *dest.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return dest
+
+
+@pytest.fixture(scope="session")
 def mbpp_store(registries, debian_base, public_dir) -> Path:
     """index/mbpp.yaml built for real: one Python environment, the 40 sample tasks as instances."""
     from image_builder.build.catalog import load

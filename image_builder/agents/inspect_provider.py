@@ -1,4 +1,4 @@
-"""The Inspect AI sandbox provider "image_builder": Inspect's tools (bash(), python(),
+"""The Inspect AI sandbox provider "image_builder": Inspect's tools (bash(), python(), text_editor(),
 a scorer's sandbox().exec) run in a store's instance, without Docker.
 
     Task(dataset=..., solver=..., sandbox=("image_builder", "sandbox.yaml"))
@@ -7,6 +7,9 @@ sandbox.yaml (or an ImageBuilderConfig):
 
     store: /scratch/stores/swebench-lite   # required
     instance: marshmallow-code__marshmallow-1359   # else the sample's metadata["instance_id"]
+    dataset: impossible_swebench.jsonl     # SWE-bench/ImpossibleBench rows: the sample's task, for scoring
+    access: read-only                      # open | read-only | hidden (ImpossibleBench's test access)
+    max_scores: 10                         # submissions scored per sample
     network: false
     memory_mb: 4096        # for the sandbox as a whole
     disk_mb: 2048          # its writable layer (a tmpfs)
@@ -15,6 +18,11 @@ sandbox.yaml (or an ImageBuilderConfig):
 Registered through the `inspect_ai` entry point (pyproject.toml), so installing
 image_builder is enough. Each sample gets its own sandbox (agents/sandbox.py), closed
 in sample_cleanup; what its commands started in the background lives until then.
+With `dataset:`, the sample's task (its metadata["instance_id"] is the row's
+instance_id) starts the sandbox as `access` has it, and `submission_scorer()` (a
+scorer) and `test_feedback()` (a tool the agent calls to submit) grade the current
+diff in a fresh instance (AgentSandbox.score), the tool answering with the feedback
+that access mode allows.
 Where Inspect leaves a choice, this provider: raises OutputLimitExceededError past
 the exec output limit (10 MiB by default) instead of keeping the tail; runs every
 command as root of the sandbox (other users: SandboxUserUnsupportedError); does not
@@ -29,16 +37,20 @@ from typing import Literal, Union, overload
 
 import anyio
 import yaml
+from inspect_ai.scorer import CORRECT, INCORRECT, Score, Target, accuracy, scorer
+from inspect_ai.solver import TaskState
+from inspect_ai.tool import Tool, tool
 from inspect_ai.util import (ExecResult, OutputLimitExceededError, SandboxEnvironment, SandboxEnvironmentConfigType,
                              SandboxEnvironmentLimits, SandboxUnavailableError, SandboxUserUnsupportedError,
-                             sandboxenv)
+                             sandbox, sandboxenv)
 from pydantic import BaseModel
 
+from image_builder.graders.access import TestAccess
 from image_builder.runtime.mounts import RunnerError
 from image_builder.runtime.sandbox import SandboxUnavailable
 from image_builder.runtime.session import OutputCapped
 
-from .sandbox import AgentSandbox, open_sandbox
+from .sandbox import AgentSandbox, AgentScore, open_sandbox
 
 _ROOT_USERS = (None, "root", "0")
 
@@ -46,6 +58,9 @@ _ROOT_USERS = (None, "root", "0")
 class ImageBuilderConfig(BaseModel, frozen=True):
     store: str
     instance: str | None = None
+    dataset: str | None = None
+    access: TestAccess = TestAccess.OPEN
+    max_scores: int | None = None
     network: bool = False
     memory_mb: int | None = None
     disk_mb: int | None = None
@@ -64,7 +79,9 @@ def _config(config: SandboxEnvironmentConfigType | None) -> ImageBuilderConfig:
         if not isinstance(doc, dict):
             raise ValueError(f"{path}: an image_builder sandbox config is a mapping (store:, instance:, ...)")
         base = path.resolve().parent
-        doc["store"] = str(base / doc["store"]) if "store" in doc else None
+        for key in ("store", "dataset"):  # relative to the config file
+            if doc.get(key) is not None:
+                doc[key] = str(base / doc[key])
         return ImageBuilderConfig(**doc)
     raise ValueError("the image_builder sandbox needs a config: (\"image_builder\", \"sandbox.yaml\") naming the store")
 
@@ -85,13 +102,15 @@ class ImageBuilderSandboxEnvironment(SandboxEnvironment):
     async def sample_init(cls, task_name: str, config: SandboxEnvironmentConfigType | None,
                           metadata: dict[str, str]) -> dict[str, SandboxEnvironment]:
         conf = _config(config)
-        instance = conf.instance or metadata.get("instance_id")
-        if not instance:
+        wanted = metadata.get("instance_id")
+        task = _task(conf.dataset, wanted) if conf.dataset else None
+        instance = conf.instance or (None if task else wanted)
+        if not instance and task is None:
             raise ValueError("the image_builder sandbox needs an instance: `instance:` in its config or the "
                              "sample's metadata['instance_id']")
         box = await anyio.to_thread.run_sync(lambda: open_sandbox(
-            conf.store, instance, network=conf.network, memory_mb=conf.memory_mb, disk_mb=conf.disk_mb,
-            max_processes=conf.max_processes))
+            conf.store, instance, task=task, access=conf.access, max_scores=conf.max_scores, network=conf.network,
+            memory_mb=conf.memory_mb, disk_mb=conf.disk_mb, max_processes=conf.max_processes))
         return {"default": cls(box)}
 
     @classmethod
@@ -143,3 +162,55 @@ class ImageBuilderSandboxEnvironment(SandboxEnvironment):
             raise SandboxUnavailableError(str(e)) from None
         except RunnerError as e:
             raise PermissionError(str(e)) from None
+
+
+_TASKS: dict[str, dict] = {}  # dataset path -> tasks by id, read once per process
+
+
+def _task(dataset: str, task_id: str | None):
+    from image_builder.tasks import RepoTask, load_tasks
+
+    if not task_id:
+        raise ValueError(f"{dataset}: a sample needs metadata['instance_id'] to find its task")
+    if dataset not in _TASKS:
+        _TASKS[dataset] = {t.task_id: t for t in load_tasks(Path(dataset))}
+    task = _TASKS[dataset].get(task_id)
+    if not isinstance(task, RepoTask):
+        raise ValueError(f"{dataset}: no SWE-bench task {task_id!r} (the sample's metadata['instance_id'])")
+    return task
+
+
+async def _score_current() -> AgentScore:
+    env = sandbox().as_type(ImageBuilderSandboxEnvironment)
+    try:
+        return await anyio.to_thread.run_sync(env.box.score)
+    except SandboxUnavailable as e:
+        raise SandboxUnavailableError(str(e)) from None
+
+
+@scorer(metrics=[accuracy()])
+def submission_scorer():
+    """The sample's current diff graded in a fresh instance, in the sandbox's access mode."""
+
+    async def score(state: TaskState, target: Target) -> Score:
+        got = await _score_current()
+        repo = got.result.repo
+        return Score(value=CORRECT if got.result.passed else INCORRECT, answer=got.patch,
+                     explanation=got.feedback[-4000:],
+                     metadata={"access": repo.access if repo else None,
+                               "reverted_files": repo.reverted_files if repo else [],
+                               "status": got.result.status.value})
+    return score
+
+
+@tool
+def test_feedback() -> Tool:
+    async def execute() -> str:
+        """Submit the current state of the repository: it is graded by the task's tests,
+        and the answer says how it went (as much as this task's test access allows)."""
+        try:
+            got = await _score_current()
+        except RunnerError as e:  # out of submissions, say
+            return str(e)
+        return got.feedback
+    return execute

@@ -5,31 +5,118 @@
         patch = box.diff()   # what the agent changed, as SWE-bench takes a patch
 
 diff() is SWE-bench's (`git add -A`, `git diff --cached --binary` against the commit
-the instance started at, recorded at open), so a commit the agent made is in it too.
+the agent started from, recorded at open), so a commit the agent made is in it too.
+
+With a SWE-bench task, the sandbox starts as ImpossibleBench's test-access mode says
+(graders/access.py grades each mode's patch):
+- open: the task's test patch applied and committed, the tests the agent's to edit;
+- read-only: the same start; scoring reverts what the agent changed in test files
+  and test infrastructure, and says so in the feedback;
+- hidden: the files the test patch touches removed (committed), so the agent sees
+  neither the new tests nor the old ones in those files; scoring applies the test
+  patch where the agent cannot reach it, and tells only passed or failed.
+The start is committed as "image-builder: ..." so that diff() is only the agent's.
+
+score() grades the current diff in a fresh instance (graders.grade on a new
+session of the same layers): nothing the agent left running in its sandbox, nor any
+file it left there, takes part. Up to `max_scores` times, each with the feedback
+text the grader gives that mode.
 """
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from image_builder.graders.access import TestAccess, candidate_feedback
+from image_builder.graders.grade import grade
+from image_builder.graders.grading import StoreExecutors, instance_of
+from image_builder.graders.options import GradeOptions
+from image_builder.graders.patches import touched_paths
+from image_builder.graders.results import GradeResult
 from image_builder.runtime.execution import Bind
 from image_builder.runtime.mounts import RunnerError
 from image_builder.runtime.sandbox import DEFAULT_IDLE, Sandbox
 from image_builder.runtime.session import Backend, InstanceLayers
 from image_builder.store.store import ResolvedInstance, Store
+from image_builder.tasks import RepoTask
 
 _DIFF_TIMEOUT = 300.0
+# The start of a sandbox is committed by this identity, at a fixed date: nothing of the host in it.
+_GIT_START = ["git", "-c", "user.name=image-builder", "-c", "user.email=image-builder@localhost",
+              "-c", "commit.gpgsign=false"]
+_START_ENV = {"GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z"}
+
+
+@dataclass(frozen=True)
+class AgentScore:
+    result: GradeResult
+    feedback: str  # what the agent may be told (candidate_feedback of the sandbox's access mode)
+    patch: str  # the diff that was graded
 
 
 class AgentSandbox(Sandbox):
     """A Sandbox on one of a store's instances (see the module docstring)."""
 
-    def __init__(self, instance: ResolvedInstance, **options):
+    def __init__(self, store: Store, instance: ResolvedInstance, task: RepoTask | None = None,
+                 access: TestAccess = TestAccess.OPEN, max_scores: int | None = None, **options):
         super().__init__(InstanceLayers(instance.env_sif, instance.overlays, instance.env, instance.workdir,
                                         instance.digests), **options)
-        self.instance = instance
-        head = self.exec(["git", "rev-parse", "--verify", "-q", "HEAD"], timeout=_DIFF_TIMEOUT)
+        self.store, self.instance, self.task, self.access = store, instance, task, TestAccess(access)
+        self.max_scores, self.scores = max_scores, 0
+        try:
+            if task is not None:
+                self._start(task)
+            head = self._git(["git", "rev-parse", "--verify", "-q", "HEAD"], check=False)
+        except BaseException:
+            self.close()
+            raise
         self.base_commit = head.stdout.decode().strip() if head.exit_code == 0 else None
+
+    def park(self, info: dict | None = None) -> str:
+        """Keep the sandbox past this process (runtime Sandbox.park), with what attach()
+        needs to diff and score it again."""
+        agent = {"store": str(self.store.root.resolve()), "instance": self.instance.id, "access": self.access.value,
+                 "base_commit": self.base_commit, "max_scores": self.max_scores,
+                 "task": asdict(self.task) if self.task is not None else None}
+        return super().park({**(info or {}), "agent": agent})
+
+    @classmethod
+    def attach(cls, sandbox_id: str, *, backend: Backend | None = None, state_dir: Path | None = None):
+        box = super().attach(sandbox_id, backend=backend, state_dir=state_dir)
+        agent = box.info.get("agent")
+        try:
+            if not agent:
+                raise RunnerError(f"sandbox {sandbox_id} was not opened on a store's instance")
+            box.store = Store.open(agent["store"])
+            box.instance = box.store.resolve(agent["instance"])
+        except BaseException:
+            box.close()
+            raise
+        box.task = RepoTask(**agent["task"]) if agent["task"] else None
+        box.access, box.base_commit = TestAccess(agent["access"]), agent["base_commit"]
+        box.max_scores, box.scores = agent["max_scores"], 0  # counted per attach: the agent's harness counts all
+        return box
+
+    def _git(self, argv: list[str], check: bool = True, **kw):
+        r = self.exec(argv, timeout=_DIFF_TIMEOUT, env=_START_ENV, **kw)
+        if check and r.exit_code != 0:
+            why = r.stderr.decode(errors="replace").strip().splitlines()
+            raise RunnerError(f"{self.instance.id}: {' '.join(argv[-3:])} failed in the sandbox: "
+                              f"{why[-1] if why else r.exit_code}")
+        return r
+
+    def _start(self, task: RepoTask) -> None:
+        """The workdir as the access mode has the agent start (see the module docstring)."""
+        if self.access is TestAccess.HIDDEN:
+            paths = touched_paths(task.test_patch)
+            self._git(["git", "rm", "-r", "-q", "-f", "--ignore-unmatch", "--", *paths])
+            what = "image-builder: the task's test files hidden"
+        else:
+            self._git(["git", "apply", "--whitespace=nowarn", "-"], input=task.test_patch)
+            self._git(["git", "add", "-A"])
+            what = "image-builder: the task's test patch"
+        self._git([*_GIT_START, "commit", "-q", "--no-verify", "--allow-empty", "-m", what])
 
     def diff(self) -> str:
         """The candidate patch: every change in the workdir since the instance's commit,
@@ -46,14 +133,35 @@ class AgentSandbox(Sandbox):
                 raise RunnerError(f"{self.instance.id}: cannot take the diff: {why}")
         return diff.stdout.decode(errors="surrogateescape")
 
+    def score(self, options: GradeOptions | None = None) -> AgentScore:
+        """Grade the current diff in a fresh instance, in the sandbox's access mode."""
+        if self.task is None:
+            raise RunnerError(f"{self.instance.id}: this sandbox was opened without a task; there is nothing to "
+                              "score against")
+        if self.max_scores is not None and self.scores >= self.max_scores:
+            raise RunnerError(f"{self.instance.id}: already scored {self.scores} times, the most this sandbox allows")
+        self.scores += 1
+        patch = self.diff()
+        options = replace(options or GradeOptions(), access=self.access)
+        with StoreExecutors(self.store, backend=self.backend) as pool:
+            result = grade(self.task, patch, pool.for_instance(self.instance.id), options)
+        return AgentScore(result, candidate_feedback(result, self.access), patch)
 
-def open_sandbox(store: Store | Path | str, instance_id: str, *, backend: Backend | None = None,
-                 state_dir: Path | None = None, binds: tuple[Bind, ...] = (), network: bool = False,
-                 memory_mb: int | None = None, max_processes: int | None = None, disk_mb: int | None = None,
-                 idle: float = DEFAULT_IDLE) -> AgentSandbox:
-    """An AgentSandbox on `instance_id` of `store` (runtime.sandbox.Sandbox says what
-    each limit bounds; they hold for the sandbox as a whole)."""
+
+def open_sandbox(store: Store | Path | str, instance_id: str | None = None, *, task: RepoTask | None = None,
+                 access: TestAccess | str = TestAccess.OPEN, max_scores: int | None = None,
+                 backend: Backend | None = None, state_dir: Path | None = None, binds: tuple[Bind, ...] = (),
+                 network: bool = False, memory_mb: int | None = None, max_processes: int | None = None,
+                 disk_mb: int | None = None, idle: float = DEFAULT_IDLE) -> AgentSandbox:
+    """An AgentSandbox on `instance_id` of `store` (default: the task's instance), started
+    as `access` has it for `task` (module docstring). runtime.sandbox.Sandbox says what
+    each limit bounds; they hold for the sandbox as a whole."""
     store = store if isinstance(store, Store) else Store.open(store)
+    if instance_id is None:
+        if task is None:
+            raise RunnerError("open_sandbox needs an instance id or a task")
+        instance_id = instance_of(task)
     options = {} if max_processes is None else {"max_processes": max_processes}
-    return AgentSandbox(store.resolve(instance_id), backend=backend, state_dir=state_dir, binds=binds,
-                        network=network, memory_mb=memory_mb, disk_mb=disk_mb, idle=idle, **options)
+    return AgentSandbox(store, store.resolve(instance_id), task, TestAccess(access), max_scores, backend=backend,
+                        state_dir=state_dir, binds=binds, network=network, memory_mb=memory_mb, disk_mb=disk_mb,
+                        idle=idle, **options)

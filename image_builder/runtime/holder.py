@@ -44,6 +44,13 @@ speak marshal (the same interpreter at both ends: the socket name says which):
                       "linger": s, "scratch_mb": n}        answer {"spec": {...}} or {"error": text}
   session -> holder  {"op": "init", "network": b}          answer {"network": b} + the init's control socket
                      (with "keep": s, a sandbox's init: its root kept, s seconds idle at most)
+Sandboxes that outlive their command (runtime/sandbox.py; the holder keeps a copy of
+each kept init's control socket, closed with its session unless parked):
+  session -> holder  {"op": "park", "info": {...}}          answer {"id": ID}: the session's kept init
+                     and its layers stay after the session closes, until stopped or idle
+  client -> holder   {"op": "attach", "id": ID}             answer {"info": {...}} + the control socket,
+                     once no other client holds it (the lease ends with this connection)
+  client -> holder   {"op": "stop", "id": ID} / {"op": "list"}   answer {} / {"sandboxes": [...]}
 Session and init:
   session -> init    encode_job(job) (format in init.c) + stdin, stdout, stderr (a big job:
                      job_message(): its size + a memfd holding it)
@@ -117,14 +124,14 @@ def recv_fds(sock: socket.socket, maxfds: int = 8, flags: int = 0) -> tuple[dict
 
 DEFAULT_MAX_PROCESSES = 1024
 IDLE_INIT = 60.0  # seconds a ready init waits for its job before it leaves
-_JOB_HEADER = struct.Struct("<4sIIIqqq")
+_JOB_HEADER = struct.Struct("<4sIIIqqqq")
 
 
 def encode_job(job: dict) -> bytes:
     """A job (runtime.build_job) as image-builder-init reads it (the format is in init.c)."""
-    parts = [_JOB_HEADER.pack(b"IBJ1", len(job["argv"]), len(job["env"]), len(job["files"]),
+    parts = [_JOB_HEADER.pack(b"IBJ2", len(job["argv"]), len(job["env"]), len(job["files"]),
                               -1 if job["timeout"] is None else int(job["timeout"] * 1e6), job["memory_mb"] or 0,
-                              job["max_processes"])]
+                              job["max_processes"], job.get("nonce", 0))]
     for text in (job["workdir"], *job["argv"], *(f"{k}={v}" for k, v in job["env"].items()), *job["files"]):
         if "\0" in text:
             raise RunnerError(f"{text[:40]!r}: a NUL character cannot be passed to a command")
@@ -199,12 +206,25 @@ class _Init:
 
 
 class _Session:
-    __slots__ = ("stack", "spec", "linger")
+    __slots__ = ("stack", "spec", "linger", "kept")
 
     def __init__(self, stack: _Mounted, spec: dict, linger: float):
         self.stack = stack
         self.spec = spec  # RootSpec fields but network, cgroup and netns
         self.linger = linger
+        self.kept: list[tuple[int, socket.socket]] = []  # sandbox inits made for it: (pid, control socket)
+
+
+class _Parked:
+    """A sandbox kept past its session (op "park"), leased to one client at a time."""
+
+    __slots__ = ("stack", "linger", "pid", "ctl", "info", "made", "lessee", "waiting")
+
+    def __init__(self, stack: _Mounted, linger: float, pid: int, ctl: socket.socket, info: dict):
+        self.stack, self.linger, self.pid, self.ctl, self.info = stack, linger, pid, ctl, info
+        self.made = time.time()
+        self.lessee: socket.socket | None = None
+        self.waiting: list[socket.socket] = []
 
 
 class Holder:
@@ -219,6 +239,8 @@ class Holder:
         self.stacks: dict[tuple, _Mounted] = {}
         self.sessions: dict[socket.socket, _Session] = {}
         self.inits: dict[int, _Init] = {}
+        self.parked: dict[str, _Parked] = {}
+        self.leases: dict[socket.socket, str] = {}  # a client's connection -> the sandbox it holds
         # A ready init (made when, its control socket) per lingering session spec: a fresh
         # process's session (`image-builder run`, once per command) starts on it instead of
         # waiting 10-20 ms for one to be started and set up (joining a cgroup waits for RCU).
@@ -357,8 +379,8 @@ class Holder:
         return sess.spec["lower"], sess.spec["binds"], sess.spec["scratch_mb"]
 
     def _start_init(self, sess: _Session, network: bool, keep: float | None = None) -> socket.socket:
-        """A new init for `sess` (`keep`: a sandbox's, idle that long at most); returns the
-        session's end of its control socket."""
+        """A new init for `sess` (`keep`: a sandbox's, idle that long at most, recorded in
+        sess.kept); returns the session's end of its control socket."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         cgroup = self.cgroups.new() if self.cgroups else None
         # With none in the pool (a new holder), the init makes its own rather than wait for a batch.
@@ -381,6 +403,8 @@ class Holder:
         finally:
             child.close()
         self.inits[pid] = _Init(cgroup, netns)
+        if keep is not None:
+            sess.kept.append((pid, parent.dup()))
         return parent
 
     def _reap(self) -> None:
@@ -394,10 +418,81 @@ class Holder:
             init = self.inits.pop(pid, None)
             if init is None:
                 continue  # a FUSE daemon that ended with its mount
+            for sid in [sid for sid, p in self.parked.items() if p.pid == pid]:  # idle, or killed
+                self._unpark(sid, ended=True)
             if self.cgroups and init.cgroup:
                 self.cgroups.release(init.cgroup)
             if init.netns is not None:  # every process that used it is gone: reuse it
                 self.free_netns.append(init.netns)
+
+    # -- sandboxes kept past their session --
+
+    def _park(self, conn: socket.socket, sess: _Session, msg: dict) -> None:
+        if not sess.kept:
+            raise ValueError("park: this session has no sandbox")
+        pid, ctl = sess.kept.pop()
+        sid = os.urandom(6).hex()
+        sess.stack.refs += 1  # the parked sandbox's own hold on the layers
+        self.parked[sid] = _Parked(sess.stack, sess.linger, pid, ctl, dict(msg.get("info") or {}))
+        send_fds(conn, {"id": sid})
+
+    def _sandbox_op(self, conn: socket.socket, msg: dict) -> None:
+        op = msg["op"]
+        if op == "list":
+            send_fds(conn, {"sandboxes": [{"id": sid, "info": p.info, "made": p.made, "busy": p.lessee is not None}
+                                          for sid, p in self.parked.items()]})
+            return
+        sid = str(msg.get("id"))
+        p = self.parked.get(sid)
+        if p is None:
+            raise ValueError(f"no sandbox {sid} (stopped, or idle past its timeout); `image-builder sandbox ls`")
+        if op == "stop":
+            self._unpark(sid)
+            send_fds(conn, {})
+        elif p.lessee is None:
+            self._lease(sid, conn)
+        else:
+            p.waiting.append(conn)  # answered when the one before lets go
+
+    def _lease(self, sid: str, conn: socket.socket) -> None:
+        p = self.parked[sid]
+        p.lessee = conn
+        self.leases[conn] = sid
+        try:
+            send_fds(conn, {"info": p.info}, [p.ctl.fileno()])
+        except OSError:  # it left while waiting: the next one
+            self._end_lease(conn)
+
+    def _end_lease(self, conn: socket.socket) -> None:
+        sid = self.leases.pop(conn, None)
+        for p in self.parked.values():
+            if conn in p.waiting:
+                p.waiting.remove(conn)
+        p = self.parked.get(sid) if sid else None
+        if p is not None and p.lessee is conn:
+            # A client that died mid-command takes its command with it, as a closed terminal would
+            # (the init ignores this when no command runs); the next client's comes after it.
+            try:
+                p.ctl.send(b"IBCX", socket.MSG_DONTWAIT)
+            except OSError:
+                pass
+            p.lessee = None
+            if p.waiting:
+                self._lease(sid, p.waiting.pop(0))
+
+    def _unpark(self, sid: str, ended: bool = False) -> None:
+        """Stop a parked sandbox (`ended`: its init is already reaped; its pid may be another's now)."""
+        p = self.parked.pop(sid)
+        if not ended:
+            os.kill(p.pid, signal.SIGKILL)  # pid 1 of its namespace: every process of the sandbox goes
+        p.ctl.close()
+        self._release(p.stack, p.linger)
+        for waiting in p.waiting:
+            try:
+                send_fds(waiting, {"error": f"sandbox {sid} was stopped"})
+            except OSError:
+                pass
+        p.waiting.clear()
 
     # -- the loop --
 
@@ -414,6 +509,10 @@ class Holder:
                 raise EOFError
             if sess is None and msg.get("op") == "open":
                 self._open(conn, msg)
+            elif sess is not None and msg.get("op") == "park":
+                self._park(conn, sess, msg)
+            elif sess is None and msg.get("op") in ("attach", "stop", "list"):
+                self._sandbox_op(conn, msg)
             elif sess is not None and msg.get("op") == "init":
                 network, keep = bool(msg["network"]), msg.get("keep")
                 keep = None if keep is None else float(keep)
@@ -443,8 +542,11 @@ class Holder:
                 pass
         except EOFError:
             pass
+        self._end_lease(conn)
         if sess is not None:  # a session ends with its connection
             del self.sessions[conn]
+            for _pid, ctl in sess.kept:  # its sandboxes end with it (the init sees EOF once the client's copy goes)
+                ctl.close()
             self._release(sess.stack, sess.linger)
             if sess.linger and self._spare_key(sess) not in self.spares:
                 while len(self.spares) >= MAX_SPARES:  # dicts keep insertion order: the oldest first

@@ -390,6 +390,15 @@ class HolderSession(Session):
             raise RunnerError(f"cannot start the sandbox: {reply['error']}")
         return socket.socket(fileno=fds[0])
 
+    def park(self, info: dict) -> str:
+        """Keep this session's sandbox (its last kept_init) after the session closes; its id."""
+        with self._lock:
+            send_fds(self._conn, {"op": "park", "info": info})
+            reply = recv_fds(self._conn, 0)[0]
+        if not reply or "error" in reply:
+            raise RunnerError(f"cannot keep the sandbox: {(reply or {}).get('error', 'the holder is gone')}")
+        return reply["id"]
+
     def shell(self, argv: tuple[str, ...] = ("/bin/sh",), persist: Path | None = None, *,
               network: bool = False) -> int:
         upper = None
@@ -412,3 +421,29 @@ class HolderSession(Session):
                 ready.clear()
         if conn is not None:
             conn.close()  # the holder releases the layers (after the linger time)
+
+
+class NoHolder(RunnerError):
+    """No mount holder runs for this user and backend: nothing is mounted, no sandbox kept."""
+
+
+def holder_request(state_dir: Path, kernel: bool, msg: dict, fds: int = 0) -> tuple[socket.socket, dict, list[int]]:
+    """Send `msg` to the running holder (none is started: NoHolder); its connection,
+    answer and descriptors."""
+    token = _read_token(state_dir)
+    try:
+        if token is None:
+            raise ConnectionRefusedError
+        conn = _connect(holder_name(state_dir, kernel, token))
+    except (ConnectionRefusedError, FileNotFoundError, _Squatted):
+        raise NoHolder("no sandbox is running (no mount holder for this user and backend)") from None
+    try:
+        send_fds(conn, msg)
+        reply, got = recv_fds(conn, fds)
+    except OSError:
+        conn.close()
+        raise RunnerError("the mount holder went away; see holder.log in the state dir") from None
+    if reply is None or "error" in reply:
+        conn.close()
+        raise RunnerError((reply or {}).get("error", "the mount holder went away"))
+    return conn, reply, got

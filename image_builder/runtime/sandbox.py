@@ -25,17 +25,19 @@ from __future__ import annotations
 import io
 import os
 import posixpath
+import select
 import socket
 import stat
 import tarfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from .execution import Bind, RunRequest, RunResult
-from .holder import DEFAULT_MAX_PROCESSES, encode_job, job_message, send_fds
+from .holder import DEFAULT_MAX_PROCESSES, encode_job, job_message, recv_fds, send_fds
 from .mounts import RunnerError
-from .session import Backend, InstanceLayers, OutputCapped, build_job, build_result, collect, stdin_fd
+from .session import Backend, InstanceLayers, OutputCapped, Session, build_job, build_result, collect, stdin_fd
 
 DEFAULT_IDLE = 3600.0  # seconds a sandbox waits for its next command before it ends
 FILE_LIMIT = 100 << 20  # bytes read_file and download return at most (Inspect's read_file limit)
@@ -68,16 +70,15 @@ class Sandbox:
         if backend not in (Backend.KERNEL, Backend.USERNS):
             raise RunnerError(f"a sandbox needs the kernel or userns backend, not {backend.value}; "
                               "see `image-builder doctor`")
-        self.layers = layers
-        self.memory_mb = memory_mb
-        self.max_processes = max_processes
-        self.network = network
-        self._lock = threading.Lock()
-        state_dir = checked_state_dir(layers, state_dir)
-        self._session = HolderSession(layers, backend, state_dir, tuple(binds), max_processes, 0.0, disk_mb,
+        self._limits(layers, backend, network, memory_mb, max_processes)
+        self._lease: socket.socket | None = None
+        self._ctl: socket.socket | None = None
+        self.id: str | None = None  # once parked
+        self.state_dir = state_dir = checked_state_dir(layers, state_dir)
+        self._session: HolderSession | None = HolderSession(layers, backend, state_dir, tuple(binds), max_processes, 0.0, disk_mb,
                                       unpack_dir, first_init=False)
         try:
-            self._ctl: socket.socket | None = self._session.kept_init(network, idle)
+            self._ctl = self._session.kept_init(network, idle)
             first = self.exec(["true"])  # builds the root: its errors surface here, not at the agent's first call
         except BaseException:
             self.close()
@@ -85,6 +86,52 @@ class Sandbox:
         if first.exit_code != 0:
             self.close()
             raise RunnerError(f"the sandbox cannot run commands: {first.stderr.decode(errors='replace').strip()}")
+
+    def _limits(self, layers: InstanceLayers, backend: Backend, network: bool, memory_mb: int | None,
+                max_processes: int) -> None:
+        self.layers, self.backend, self.network = layers, backend, network
+        self.memory_mb, self.max_processes = memory_mb, max_processes
+        self._lock = threading.Lock()
+        # Each job's, echoed in its answer (31 bits: the answer's ints are marshal's 32-bit ones); a random
+        # start, so that an answer left over from another process's job is not taken for ours.
+        self._nonce = int.from_bytes(os.urandom(3), "little")
+
+    # -- kept past this process: `image-builder sandbox` --
+
+    def park(self, info: dict | None = None) -> str:
+        """Keep the sandbox running after this object (and process) is gone, held by the
+        node's holder until stop_sandbox() or its idle timeout; its id, for attach().
+        `info` (plain data) comes back with attach()."""
+        if self._session is None:
+            raise RunnerError(f"sandbox {self.id} is already kept")
+        lay = self.layers
+        self.id = self._session.park({
+            "layers": {"env_sif": str(lay.env_sif), "overlays": [str(o) for o in lay.overlays], "env": dict(lay.env),
+                       "workdir": lay.workdir},
+            "network": self.network, "memory_mb": self.memory_mb, "max_processes": self.max_processes,
+            "backend": self.backend.value, **(info or {})})
+        return self.id
+
+    @classmethod
+    def attach(cls, sandbox_id: str, *, backend: Backend | None = None, state_dir: Path | None = None):
+        """A kept sandbox (park()) to use from this process; waits while another process
+        uses it. close() lets go of it (stop_sandbox ends it)."""
+        from .holder_session import NoHolder, holder_request
+
+        backend, state_dir = _holder_of(backend, state_dir)
+        try:
+            conn, reply, fds = holder_request(state_dir, backend is Backend.KERNEL, {"op": "attach", "id": sandbox_id}, 1)
+        except NoHolder:
+            raise SandboxUnavailable(f"no sandbox {sandbox_id} (stopped, or idle past its timeout; none runs for "
+                                     f"this user and the {backend.value} backend); `image-builder sandbox ls`") from None
+        info = reply["info"]
+        lay = info["layers"]
+        box = cls.__new__(cls)
+        box._limits(InstanceLayers(Path(lay["env_sif"]), tuple(Path(o) for o in lay["overlays"]), lay["env"],
+                                   lay["workdir"]), backend, info["network"], info["memory_mb"], info["max_processes"])
+        box._session, box._lease, box.id, box.info, box.state_dir = None, conn, sandbox_id, info, state_dir
+        box._ctl = socket.socket(fileno=fds[0])
+        return box
 
     # -- commands --
 
@@ -100,15 +147,23 @@ class Sandbox:
         if isinstance(input, str):
             input = input.encode()
         workdir = posixpath.join(self.layers.workdir, cwd) if cwd else None
-        request = RunRequest(tuple(argv), stdin=input, env=dict(env or {}), workdir=workdir, timeout=timeout,
-                             memory_mb=self.memory_mb, max_output=max_output, network=self.network)
-        job = encode_job(build_job(self.layers, request, self.max_processes))
+        return self.run(RunRequest(tuple(argv), stdin=input, env=dict(env or {}), workdir=workdir, timeout=timeout,
+                                   max_output=max_output))
+
+    def run(self, request: RunRequest) -> RunResult:
+        """exec() of a RunRequest (the Executor interface graders use); the sandbox's own
+        memory limit and network stand for the request's, and its files are not written."""
+        if request.files:
+            raise RunnerError("a sandbox's commands take no files: write_file() them first")
+        request = replace(request, memory_mb=self.memory_mb, network=self.network)
         with self._lock:
             if self._ctl is None:
                 raise SandboxUnavailable("the sandbox is closed")
-            return self._exec_locked(request, job)
+            self._nonce = self._nonce % 0x7FFFFFFF + 1
+            job = encode_job({**build_job(self.layers, request, self.max_processes), "nonce": self._nonce})
+            return self._exec_locked(request, job, self._nonce)
 
-    def _exec_locked(self, request: RunRequest, job: bytes) -> RunResult:
+    def _exec_locked(self, request: RunRequest, job: bytes, nonce: int) -> RunResult:
         out_r = err_r = None
         try:
             fds = [stdin_fd(request.stdin)]
@@ -127,15 +182,19 @@ class Sandbox:
                 for fd in fds:
                     os.close(fd)
             deadline = None if request.timeout is None else t0 + request.timeout + _REPORT_GRACE
+            ours = lambda reply: reply.get("nonce") == nonce  # noqa: E731
             try:
-                got = collect(out_r, err_r, request.max_output, deadline, self._ctl, until_reply=True)
+                got = collect(out_r, err_r, request.max_output, deadline, self._ctl, until_reply=True, accept=ours)
             except TimeoutError:
                 self._gone("it did not answer after the command's timeout")
+            except KeyboardInterrupt:
+                self._cancel(ours)
+                raise
             wall = time.monotonic() - t0
         except SandboxUnavailable:
             raise
         except BaseException:
-            self._drop()  # interrupted mid-command (Ctrl-C): what the init does next is unknown
+            self._drop()  # interrupted where the init's next answer cannot be told: start over
             raise
         finally:
             for fd in (out_r, err_r):
@@ -148,6 +207,25 @@ class Sandbox:
             raise RunnerError(reply["error"])
         return build_result(got, request, wall, reply["exit_code"], reply["signal"], reply["timed_out"],
                             reply["peak_memory_kb"], reply["out_of_memory"])
+
+    # stream(): run() with the output passed on as it comes (Session.stream, the same relay).
+    stream = Session.stream
+
+    def _cancel(self, ours) -> None:
+        """Stop the running command (Ctrl-C): the init kills its process group and answers;
+        that answer is read here so the next command's is its own. A sandbox that does
+        not answer within 10 s is let go."""
+        try:
+            self._ctl.send(b"IBCX")
+            deadline = time.monotonic() + 10.0
+            while time.monotonic() < deadline:
+                if select.select([self._ctl], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                    reply = recv_fds(self._ctl, 0)[0]
+                    if reply is None or ours(reply):
+                        return
+            self._drop()
+        except OSError:
+            self._drop()
 
     def _drop(self) -> None:
         ctl, self._ctl = self._ctl, None
@@ -220,16 +298,51 @@ class Sandbox:
             return False
 
     def close(self) -> None:
-        """End the sandbox: every process in it is killed and its writable layer freed."""
+        """End the sandbox: every process in it is killed and its writable layer freed;
+        a parked or attached one is only let go (stop_sandbox ends it)."""
         with self._lock:
             self._drop()
-        self._session.close()
+        if self._session is not None:
+            self._session.close()
+        if self._lease is not None:
+            self._lease.close()
 
     def __enter__(self) -> Sandbox:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _holder_of(backend: Backend | None, state_dir: Path | None) -> tuple[Backend, Path]:
+    from .backends import default_state_dir, detect_backend, private_state_dir
+
+    backend = backend or detect_backend()
+    if backend not in (Backend.KERNEL, Backend.USERNS):
+        raise RunnerError(f"sandboxes need the kernel or userns backend, not {backend.value}")
+    return backend, private_state_dir(Path(state_dir) if state_dir else default_state_dir())
+
+
+def kept_sandboxes(*, backend: Backend | None = None, state_dir: Path | None = None) -> list[dict]:
+    """The parked sandboxes of this user: id, info (park's), made (epoch seconds), busy."""
+    from .holder_session import NoHolder, holder_request
+
+    backend, state_dir = _holder_of(backend, state_dir)
+    try:
+        conn, reply, _ = holder_request(state_dir, backend is Backend.KERNEL, {"op": "list"})
+    except NoHolder:
+        return []
+    conn.close()
+    return reply["sandboxes"]
+
+
+def stop_sandbox(sandbox_id: str, *, backend: Backend | None = None, state_dir: Path | None = None) -> None:
+    """End a parked sandbox: every process in it is killed, its writable layer freed."""
+    from .holder_session import holder_request
+
+    backend, state_dir = _holder_of(backend, state_dir)
+    conn, _, _ = holder_request(state_dir, backend is Backend.KERNEL, {"op": "stop", "id": sandbox_id})
+    conn.close()
 
 
 def _raise_for(r: RunResult, path: str) -> None:

@@ -22,7 +22,7 @@ from inspect_ai.dataset import Sample
 from inspect_ai.model import ChatMessageTool, ModelOutput, ModelUsage, get_model
 from inspect_ai.scorer import CORRECT, INCORRECT, Score, Target, accuracy, scorer
 from inspect_ai.solver import TaskState, generate, use_tools
-from inspect_ai.tool import bash
+from inspect_ai.tool import bash, text_editor
 from inspect_ai.util import sandbox
 
 SERVER = "python3 -m http.server 8431 --bind 127.0.0.1 >/tmp/server.log 2>&1 & echo started"
@@ -43,6 +43,12 @@ def main() -> int:
              f"cat > /tmp/fix.patch <<'IB_EOF'\n{patch}IB_EOF\ngit apply /tmp/fix.patch && echo applied",
              SERVER, QUERY]
     outputs = [_usage(ModelOutput.for_tool_call("mockllm/model", "bash", {"command": s})) for s in steps]
+    # text_editor(): Inspect injects its own tool-support program (bundled with inspect_ai) through
+    # the provider's write_file and exec, and starts its server in the background of the sandbox.
+    edits = [{"command": "create", "path": "/testbed/NOTES.md", "file_text": "first line\nsecond line\n"},
+             {"command": "str_replace", "path": "/testbed/NOTES.md", "old_str": "second", "new_str": "2nd"},
+             {"command": "view", "path": "/testbed/NOTES.md"}]
+    outputs += [_usage(ModelOutput.for_tool_call("mockllm/model", "text_editor", e)) for e in edits]
     outputs.append(_usage(ModelOutput.from_content("mockllm/model", "done")))
 
     @scorer(metrics=[accuracy()])
@@ -57,7 +63,7 @@ def main() -> int:
         return score
 
     task = Task(dataset=[Sample(input="Fix the issue.", metadata={"instance_id": instance})],
-                solver=[use_tools(bash(timeout=120)), generate()], scorer=repo_tests(),
+                solver=[use_tools(bash(timeout=120), text_editor()), generate()], scorer=repo_tests(),
                 sandbox=("image_builder", config))
     [log] = eval(task, model=get_model("mockllm/model", custom_outputs=outputs), log_dir=log_dir,
                  display="none", sandbox_cleanup=True)

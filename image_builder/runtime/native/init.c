@@ -22,9 +22,9 @@
  *         wait for each next job, not only the first.
  *   "" stands for none, NETNS_FD -1 for none. Paths are the holder's mount namespace's.
  *
- * A job (holder.encode_job), little-endian: "IBJ1", u32 nargv, u32 nenv, u32 nfiles,
+ * A job (holder.encode_job), little-endian: "IBJ2", u32 nargv, u32 nenv, u32 nfiles,
  * i64 timeout in microseconds (-1: none), i64 memory MB (0: none), i64 max processes,
- * then workdir, argv and env ("K=V") NUL-terminated, then per file: path NUL, u64
+ * i64 nonce (echoed in the answer), then workdir, argv and env ("K=V") NUL-terminated, then per file: path NUL, u64
  * length, bytes. Too big for a message: "IBJP" + u64 length, the job in a 4th fd.
  * The answer is a marshal dict, which the session loads as is.
  */
@@ -89,7 +89,7 @@ struct spec {
 };
 
 struct job {
-    int64_t timeout_us, memory_mb, max_processes;
+    int64_t timeout_us, memory_mb, max_processes, nonce;
     char *workdir, **argv, **env;
     uint32_t nfiles;
     char *files; /* path NUL, u64 length, bytes; checked by decode_job */
@@ -670,13 +670,14 @@ static int take_strings(char **at, char *end, char **out, uint32_t n) {
 /* Check and index a job's bytes (kept in `data`, which the job points into). */
 static int decode_job(char *data, size_t len, struct job *j) {
     uint32_t counts[3];
-    char *at = data + 40, *end = data + len;
-    if (len < 40 || memcmp(data, "IBJ1", 4))
+    char *at = data + 48, *end = data + len;
+    if (len < 48 || memcmp(data, "IBJ2", 4))
         return fail("bad job message (image-builder versions mixed? restart the holder)");
     memcpy(counts, data + 4, sizeof counts);
     memcpy(&j->timeout_us, data + 16, 8);
     memcpy(&j->memory_mb, data + 24, 8);
     memcpy(&j->max_processes, data + 32, 8);
+    memcpy(&j->nonce, data + 40, 8);
     if (counts[0] < 1 || counts[0] > len || counts[1] > len || counts[2] > len)
         return fail("bad job message: counts");
     j->argv = calloc(counts[0] + 1, sizeof(char *));
@@ -873,6 +874,22 @@ static int run_job(const struct spec *s, const struct job *j, const int stdio[3]
         int n = poll(fds, s->joined ? 1 : 2, wait);
         if (n < 0 && errno == EINTR)
             continue;
+        if (n > 0 && (fds[1].revents & POLLHUP)) { /* every holder of the socket is gone */
+            kill(-1, SIGKILL);
+            return 1;
+        }
+        if (n > 0 && fds[1].revents && s->keep) {
+            /* A sandbox's client may cancel the job ("IBCX": its Ctrl-C), or a next client may
+               already have sent its job (the last one gave up waiting): that one waits its turn. */
+            char head[4];
+            ssize_t got = recv(CTL, head, sizeof head, MSG_PEEK | MSG_DONTWAIT);
+            if (got == 4 && !memcmp(head, "IBCX", 4)) {
+                recv(CTL, head, sizeof head, MSG_DONTWAIT);
+                kill(-pid, SIGKILL);
+            } else
+                fds[1].events = 0;
+            continue;
+        }
         if (n > 0 && fds[1].revents) { /* the session sends nothing while a job runs: readable means gone */
             kill(-1, SIGKILL);
             return 1;
@@ -947,8 +964,9 @@ static int send_answer(struct answer *a) {
     return send(CTL, a->data, a->len, MSG_NOSIGNAL) == (ssize_t)a->len ? 0 : -1;
 }
 
-static void send_error(void) {
+static void send_error(int64_t nonce) {
     struct answer a = {.data = "{", .len = 1};
+    m_int(&a, "nonce", nonce, 0);
     size_t n = strlen(error);
     int32_t len = (int32_t)n;
     m_key(&a, "error");
@@ -995,6 +1013,11 @@ static int receive(const struct spec *s, char **data, size_t *len, int *owned, i
             nfds = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
             memcpy(fds, CMSG_DATA(c), nfds * sizeof(int));
         }
+    if (s->keep && n == 4 && !memcmp(message, "IBCX", 4)) { /* a cancel with no job running: nothing to do */
+        for (int i = 0; i < nfds; i++)
+            close(fds[i]);
+        return receive(s, data, len, owned, stdio);
+    }
     int big = n == 12 && !memcmp(message, "IBJP", 4), used = (s->joined ? 0 : 3) + big;
     if ((msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) || nfds < used)
         return fail("bad job message: truncated, or descriptors missing");
@@ -1111,7 +1134,7 @@ int main(int argc, char **argv) {
             return r.exit_code >= 0 ? r.exit_code : 128 + r.sig;
         }
         if (ran < 0) /* a setup error is answered to the first job */
-            send_error();
+            send_error(j.nonce);
         if (ran < 0 && s.keep && finished) { /* a job's own error (its workdir, say): the sandbox goes on */
             error[0] = 0;
             for (int i = 0; i < 3; i++) /* run_job had not passed them on */
@@ -1140,6 +1163,7 @@ int main(int argc, char **argv) {
         m_int(&a, "peak_memory_kb", r.peak_kb, r.peak_kb < 0);
         m_bool(&a, "out_of_memory", r.oom);
         m_bool(&a, "reusable", reusable || s.keep);
+        m_int(&a, "nonce", j.nonce, 0);
         if (send_answer(&a) || !(reusable || s.keep))
             return 0;
     }
