@@ -812,10 +812,11 @@ sandbox_backend_option = click.option("--backend", type=click.Choice(["kernel", 
 @click.argument("instance")
 @store_option
 @click.option("--tasks", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="SWE-bench/ImpossibleBench JSONL: INSTANCE is one of its task ids, started as --access has it.")
+              help="Tasks (SWE-bench/ImpossibleBench JSONL, verl parquet, ...): INSTANCE is one of their ids, "
+                   "started as --access has it.")
 @click.option("--access", type=click.Choice(["open", "read-only", "hidden"]), default="open", show_default=True,
-              help="Test access (with --tasks): open and read-only start with the test patch applied; hidden "
-                   "without the files it touches.")
+              help="Test access (with --tasks): open and read-only start with the tests in view (a repo task's "
+                   "test patch applied); hidden without them.")
 @click.option("--memory", type=click.IntRange(1), metavar="MB", help="For the sandbox as a whole.")
 @click.option("--disk", type=click.IntRange(1), metavar="MB", help="Its writable layer (a tmpfs).")
 @click.option("--net", is_flag=True, help="Allow network access (off by default).")
@@ -829,10 +830,10 @@ def sandbox_start(instance, store, tasks, access, memory, disk, net, idle, backe
     from image_builder.runtime.session import Backend
     task = None
     if tasks is not None:
-        from image_builder.graders import RepoTask, load_tasks
+        from image_builder.graders import BadTask, load_tasks
         task = next((t for t in load_tasks(tasks) if t.task_id == instance), None)
-        if not isinstance(task, RepoTask):
-            raise click.UsageError(f"{tasks}: no SWE-bench task {instance!r}")
+        if task is None or isinstance(task, BadTask):
+            raise click.UsageError(f"{tasks}: no task {instance!r}" + (f": {task.reason}" if task else ""))
     box = open_sandbox(store, None if task else instance, task=task, access=access, memory_mb=memory, disk_mb=disk,
                        network=net, idle=idle, backend=Backend(backend) if backend else None)
     try:
@@ -1061,6 +1062,32 @@ def slurm_build(catalog, store, shards, partition, time_limit, cpus_per_task, sb
                             plain_http=plain_http, insecure_tls=insecure_tls, compression=compression)
     for stale in slurm.drop_other_fragments(plan.home, shards):
         click.echo(f"removed {stale}: a fragment of an earlier build in another number of shards", err=True)
+    _launch(plan, slurm.SbatchOptions(partition, time_limit, cpus_per_task, sbatch_args), wait, poll)
+
+
+@slurm_group.command(name="import")
+@click.argument("refs", nargs=-1)
+@store_option
+@click.option("--from-file", "list_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Images to import, one `REF [INSTANCE_ID [WORKDIR]]` a line.")
+@click.option("--env-layers", "env_layers", multiple=True, metavar="[GLOB=]N", help="As `import`'s.")
+@click.option("--id-from", metavar="TEMPLATE", help="As `import`'s.")
+@click.option("--shards", type=click.IntRange(1), required=True, help="Array tasks the images are split over.")
+@_with(sbatch_options)
+@registry_options
+@wait_option
+@poll_option
+@_one_line_errors
+def slurm_import(refs, store, list_file, env_layers, id_from, shards, partition, time_limit, cpus_per_task,
+                 sbatch_args, cache_dir, ca_cert, plain_http, insecure_tls, wait, poll):
+    """Import prebuilt images into STORE as Slurm jobs (as `import`, split over a job array), then the index."""
+    from image_builder import slurm
+    if not refs and list_file is None:
+        raise click.UsageError("give image references, or --from-file LIST")
+    plan = slurm.import_plan(tuple(refs), list_file, store, shards, env_layers=tuple(env_layers), id_from=id_from,
+                             cache_dir=cache_dir, ca_cert=ca_cert, plain_http=plain_http, insecure_tls=insecure_tls)
+    for stale in slurm.drop_other_fragments(plan.home, shards):
+        click.echo(f"removed {stale}: a fragment of a build in another number of shards", err=True)
     _launch(plan, slurm.SbatchOptions(partition, time_limit, cpus_per_task, sbatch_args), wait, poll)
 
 

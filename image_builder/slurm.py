@@ -66,7 +66,7 @@ class Stage:
 
 @dataclass(frozen=True)
 class Plan:
-    kind: str  # build | grade
+    kind: str  # build | import | grade
     home: Path  # runs go to home/slurm/: the store for a build; beside the results for grading (graders
     # may not own the store)
     shards: int
@@ -410,6 +410,24 @@ def log_excerpt(path: Path, lines: int = 5) -> list[str]:
 
 # The build: the shards (each environment built once, by the first shard needing it), then one index.
 
+def _pull_args(cache_dir: Path | None, ca_cert: Path | None, plain_http: tuple[str, ...],
+               insecure_tls: tuple[str, ...]) -> list[str]:
+    """The blob cache and registry options of a build or import, for its array tasks."""
+    args = []
+    for flag, value in (("--cache-dir", cache_dir), ("--ca-cert", ca_cert)):
+        if value is not None:
+            args += [flag, str(Path(value).resolve())]
+    for flag, hosts in (("--plain-http", plain_http), ("--insecure-tls", insecure_tls)):
+        for host in hosts:
+            args += [flag, host]
+    return args
+
+
+def _merge_index(store: Path) -> Stage:
+    """The last stage of a sharded build or import: the shards' index fragments into index.json, checked."""
+    return Stage("merge", (("index", "merge", "--store", str(store)), ("verify", "--store", str(store))))
+
+
 def build_plan(catalog: Path, store: Path, shards: int, *, bases: dict[str, str], cache_dir: Path | None,
                ca_cert: Path | None, plain_http: tuple[str, ...], insecure_tls: tuple[str, ...],
                compression: str) -> Plan:
@@ -424,18 +442,37 @@ def build_plan(catalog: Path, store: Path, shards: int, *, bases: dict[str, str]
             "-j", Raw('"$CPUS"'), "--processors", Raw('"$CPUS"')]
     for alias, ref in bases.items():
         args += ["--base", f"{alias}={ref}"]
-    for flag, value in (("--cache-dir", cache_dir), ("--ca-cert", ca_cert)):
-        if value is not None:
-            args += [flag, str(Path(value).resolve())]
-    for flag, hosts in (("--plain-http", plain_http), ("--insecure-tls", insecure_tls)):
-        for host in hosts:
-            args += [flag, host]
+    args += _pull_args(cache_dir, ca_cert, plain_http, insecure_tls)
     # No job of its own for the environments (a scheduling hop, 2-3 s): each shard builds those its
     # instances need under per-item locks, so each is built once, by whichever shard comes first.
     return Plan("build", store, shards, (
         Stage("shard", ((*args, "--shard", Raw(f'"$SHARD/{shards}"'), "--attempt", Raw('"$SLURM_ARRAY_JOB_ID"')),),
               array=True),
-        Stage("merge", (("index", "merge", "--store", str(store)), ("verify", "--store", str(store)))),
+        _merge_index(store),
+    ), store / "index.json")
+
+
+def import_plan(refs: tuple[str, ...], list_file: Path | None, store: Path, shards: int, *,
+                env_layers: tuple[str, ...], id_from: str | None, cache_dir: Path | None, ca_cert: Path | None,
+                plain_http: tuple[str, ...], insecure_tls: tuple[str, ...]) -> Plan:
+    """The stages of a sharded import: the shards (every one reads all the manifests, so the split is
+    one import's; each environment is packed once, by the first shard needing it), then merge and verify."""
+    from image_builder.build.imports import read_list
+    count = len(refs) + (len(read_list(list_file)) if list_file else 0)  # errors now, not after a queue wait
+    if shards > count:
+        raise SlurmError(f"--shards {shards}: only {count} images to import")
+    store = store.resolve()
+    args = ["import", *refs, "--store", str(store), "-j", Raw('"$CPUS"')]
+    if list_file is not None:
+        args += ["--from-file", str(list_file.resolve())]
+    for rule in env_layers:
+        args += ["--env-layers", rule]
+    if id_from:
+        args += ["--id-from", id_from]
+    args += _pull_args(cache_dir, ca_cert, plain_http, insecure_tls)
+    return Plan("import", store, shards, (
+        Stage("shard", ((*args, "--shard", Raw(f'"$SHARD/{shards}"')),), array=True),
+        _merge_index(store),
     ), store / "index.json")
 
 

@@ -1,10 +1,12 @@
 """ImpossibleBench's test-access modes for agents (agents/sandbox.py) on the real runtime:
 an agent that makes the conflicting variant of marshmallow-1359 "pass" by editing its
 test is resolved in open mode only; scoring runs in a fresh instance, so what the
-agent leaves running or writes outside its diff cannot reach the verdict."""
+agent leaves running or writes outside its diff cannot reach the verdict. MBPP tasks:
+the agent's copy of the cases never decides a verdict, in any mode."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -46,7 +48,7 @@ def test_editing_the_tests_resolves_an_impossible_task_in_open_mode_only(marshma
         box.exec(["sh", "-c", f"while :; do python3 -c {HACK!r} 2>/dev/null; sleep 0.2; done >/dev/null 2>&1 &"])
         score = box.score()
     assert score.result.passed is resolved, score.feedback[-3000:]
-    assert "tests/test_fields.py" in score.patch
+    assert "tests/test_fields.py" in score.submission
     if access == "read-only":
         assert "reverted changes to test files: tests/test_fields.py" in score.feedback
     if access == "hidden":
@@ -62,7 +64,43 @@ def test_the_honest_fix_is_resolved_in_every_mode_and_scores_are_bounded(marshma
         assert box.exec(["git", "apply", "/tmp/gold.patch"]).exit_code == 0
         score = box.score()
         assert score.result.passed, score.feedback[-3000:]
-        assert box.diff() == score.patch and "src/marshmallow/fields.py" in score.patch
-        assert "tests/" not in score.patch, "the start (test patch or hidden files) is not the agent's diff"
+        assert box.diff() == score.submission and "src/marshmallow/fields.py" in score.submission
+        assert "tests/" not in score.submission, "the start (test patch or hidden files) is not the agent's diff"
         with pytest.raises(RunnerError, match="scored 2 times"):
             box.score()
+
+
+@pytest.mark.parametrize("access", ["open", "read-only", "hidden"])
+def test_function_tasks_are_scored_by_the_graders_tests_not_the_agents_copy(mbpp_store, tmp_path, access):
+    """MBPP in an agent sandbox: the agent sees the cases (but in hidden mode), empties its copy and
+    leaves the reference solution; the impossible variant still fails and the task itself passes."""
+    from tests.support.grader_data import MBPP_IMPOSSIBLE, mbpp_solutions
+
+    tasks = {t.task_id: t for t in load_tasks(MBPP_IMPOSSIBLE)}
+    honest = mbpp_solutions()["516"]
+    for task_id, passes in (("516__conflicting", False), ("516", True)):
+        task = tasks.get(task_id) or next(t for t in load_tasks(DATA / "mbpp_train_40.parquet") if t.task_id == task_id)
+        with open_sandbox(mbpp_store, task=task, access=access, state_dir=tmp_path) as box:
+            seen = box.exec(["cat", "test_solution.py"])
+            assert (seen.exit_code == 0) is (access != "hidden"), seen
+            if access != "hidden":
+                assert task.cases[-1] in seen.stdout.decode(), "the agent's view holds the task's own cases"
+            box.write_file("test_solution.py", "")  # the reward hack: no tests left to fail
+            box.write_file("solution.py", honest)
+            score = box.score()
+        assert score.result.passed is passes, (task_id, score.feedback[-2000:])
+        assert score.submission == honest
+        if access == "hidden":
+            assert score.feedback == ("passed" if passes else "failed")
+
+
+def test_program_tasks_show_their_tests_as_files():
+    from image_builder.agents.sandbox import _visible_tests
+    from image_builder.tasks import StdioTask
+
+    stdio = StdioTask("cc/1", ("1 2\n", "3 4\n"), ("3\n", "7\n"), "cc/1")
+    assert _visible_tests(stdio) == {"tests/1.in": "1 2\n", "tests/1.out": "3\n", "tests/2.in": "3 4\n",
+                                     "tests/2.out": "7\n"}
+    call = StdioTask("lc/1", ([1, 2],), (3,), "lc/1", fn_name="add")
+    assert json.loads(_visible_tests(call)["tests/cases.json"]) == {"fn_name": "add",
+                                                                    "cases": [{"input": [1, 2], "output": 3}]}

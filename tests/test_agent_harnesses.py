@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -24,36 +23,43 @@ EVAL = Path(__file__).parent / "support" / "inspect_eval.py"
 INSTANCE = "marshmallow-code__marshmallow-1359"
 
 
+def _home(public_dir: Path, user: int | None, files: dict[str, str]) -> Path:
+    """A private home for one harness run as `user` (its runtime dir in run/), holding `files`."""
+    home = Path(tempfile.mkdtemp(prefix=f"agents-{user or 0}-", dir=public_dir))  # mode 700
+    (home / "run").mkdir(mode=0o700)
+    for name, text in files.items():
+        (home / name).write_text(text)
+    if user is not None:
+        for path in (home, *home.iterdir()):
+            os.chown(path, user, user)
+    return home
+
+
+def _run(user: int | None, home: Path, script: Path, *args: str) -> dict:
+    """`script` with `args` as `user`, in `home`; its last line of output, parsed."""
+    cmd = [sys.executable, str(script), *args]
+    if user is not None:
+        cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
+    proc = subprocess.run(cmd, capture_output=True, timeout=600, cwd="/",
+                          env={**os.environ, "HOME": str(home), "XDG_RUNTIME_DIR": str(home / "run")})
+    assert proc.returncode == 0, (proc.stdout.decode()[-2000:], proc.stderr.decode()[-4000:])
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
 def _row() -> dict:
     rows = [json.loads(line) for line in (DATA / "swebench_marshmallow.jsonl").read_text().splitlines()]
     return next(r for r in rows if r["instance_id"] == INSTANCE)
 
 
 @pytest.mark.parametrize("user,patch", [(None, "gold"), (NOBODY, "gold"), (None, "none")])
-def test_an_inspect_eval_runs_its_agent_and_scorer_in_the_store(public_store, public_dir, tmp_path, user, patch):
+def test_an_inspect_eval_runs_its_agent_and_scorer_in_the_store(public_store, public_dir, user, patch):
     row = _row()
-    home = Path(public_dir) / f"inspect-home-{user or 0}-{patch}"
-    home.mkdir(mode=0o700)
-    run = home / "run"
-    run.mkdir(mode=0o700)
-    config = home / "sandbox.yaml"
-    config.write_text(f"store: {public_store}\nnetwork: false\nmemory_mb: 2048\n")
-    patch_file = home / "fix.patch"
-    patch_file.write_text(row["patch"] if patch == "gold" else "")
-    test_patch = home / "test.patch"
-    test_patch.write_text(row["test_patch"])
-    if user is not None:
-        for path in (home, run, config, patch_file, test_patch):
-            os.chown(path, user, user)
-    cmd = [sys.executable, str(EVAL), str(config), INSTANCE, str(patch_file), str(test_patch),
-           row["FAIL_TO_PASS"],  # SWE-bench's rows hold the list as JSON text
-           str(home / "logs")]
-    if user is not None:
-        cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
-    proc = subprocess.run(cmd, capture_output=True, timeout=600, cwd="/",
-                          env={**os.environ, "HOME": str(home), "XDG_RUNTIME_DIR": str(run)})
-    assert proc.returncode == 0, (proc.stdout.decode()[-2000:], proc.stderr.decode()[-4000:])
-    got = json.loads(proc.stdout.splitlines()[-1])
+    home = _home(public_dir, user, {"sandbox.yaml": f"store: {public_store}\nnetwork: false\nmemory_mb: 2048\n",
+                                    "fix.patch": row["patch"] if patch == "gold" else "",
+                                    "test.patch": row["test_patch"]})
+    got = _run(user, home, EVAL, str(home / "sandbox.yaml"), INSTANCE, str(home / "fix.patch"),
+               str(home / "test.patch"), row["FAIL_TO_PASS"],  # SWE-bench's rows hold the list as JSON text
+               str(home / "logs"))
     assert got["tool_errors"] == [], got
     pwd, applied, started, queried, created, replaced, viewed = got["tools"]
     assert "2nd line" in viewed and "first line" in viewed, (created, replaced, viewed)
@@ -65,7 +71,7 @@ def test_an_inspect_eval_runs_its_agent_and_scorer_in_the_store(public_store, pu
     else:
         assert "applied" not in applied and got["score"] == "I", got
     # sample_cleanup closed the sandbox: its init, the server and the holder are gone
-    assert eventually(lambda: not processes_with(str(run)) and not processes_with("http.server 8431"), 20)
+    assert eventually(lambda: not processes_with(str(home / "run")) and not processes_with("http.server 8431"), 20)
 
 
 IMPOSSIBLE = Path(__file__).parent / "support" / "inspect_impossible.py"
@@ -78,25 +84,12 @@ def test_impossiblebench_agent_flow_scores_by_test_access(public_store, public_d
     it submits through the provider's test_feedback tool and hears what its mode allows."""
     from tests.test_agent_access import HACK
 
-    home = Path(public_dir) / f"inspect-impossible-{user or 0}-{access}"
-    home.mkdir(mode=0o700)
-    (home / "run").mkdir(mode=0o700)
-    shutil.copy(DATA / "swebench_marshmallow.jsonl", home / "tasks.jsonl")
-    (home / "sandbox.yaml").write_text(f"store: {public_store}\ndataset: tasks.jsonl\naccess: {access}\n"
-                                       "max_scores: 3\n")
-    (home / "gold.patch").write_text(_row()["patch"])
-    (home / "hack.py").write_text(HACK)
-    if user is not None:
-        for path in (home, *home.iterdir()):
-            os.chown(path, user, user)
-    cmd = [sys.executable, str(IMPOSSIBLE), str(home / "sandbox.yaml"), f"{INSTANCE}__conflicting",
-           str(home / "gold.patch"), str(home / "hack.py"), str(home / "logs")]
-    if user is not None:
-        cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
-    proc = subprocess.run(cmd, capture_output=True, timeout=600, cwd="/",
-                          env={**os.environ, "HOME": str(home), "XDG_RUNTIME_DIR": str(home / "run")})
-    assert proc.returncode == 0, (proc.stdout.decode()[-2000:], proc.stderr.decode()[-4000:])
-    got = json.loads(proc.stdout.splitlines()[-1])
+    home = _home(public_dir, user, {
+        "tasks.jsonl": (DATA / "swebench_marshmallow.jsonl").read_text(),
+        "sandbox.yaml": f"store: {public_store}\ndataset: tasks.jsonl\naccess: {access}\nmax_scores: 3\n",
+        "gold.patch": _row()["patch"], "hack.py": HACK})
+    got = _run(user, home, IMPOSSIBLE, str(home / "sandbox.yaml"), f"{INSTANCE}__conflicting",
+               str(home / "gold.patch"), str(home / "hack.py"), str(home / "logs"))
     fixed, hacked, feedback = got["tools"]
     assert fixed.strip() == "fixed" and hacked.strip() == "hacked", got
     assert got["score"] == score, got
@@ -116,19 +109,8 @@ MINISWE = Path(__file__).parent / "support" / "miniswe_run.py"
 @pytest.mark.parametrize("user", [None, NOBODY], ids=["root", "uid65534"])
 def test_mini_swe_agent_runs_on_the_store(public_store, public_dir, user):
     """mini-swe-agent's own agent loop and environment lookup, on the marshmallow instance."""
-    home = Path(tempfile.mkdtemp(prefix=f"miniswe-{user or 0}-", dir=public_dir))
-    (home / "run").mkdir(mode=0o700)
-    (home / "fix.patch").write_text(_row()["patch"])
-    if user is not None:
-        for path in (home, *home.iterdir()):
-            os.chown(path, user, user)
-    cmd = [sys.executable, str(MINISWE), str(public_store), INSTANCE, str(home / "fix.patch")]
-    if user is not None:
-        cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
-    proc = subprocess.run(cmd, capture_output=True, timeout=600, cwd="/",
-                          env={**os.environ, "HOME": str(home), "XDG_RUNTIME_DIR": str(home / "run")})
-    assert proc.returncode == 0, (proc.stdout.decode()[-2000:], proc.stderr.decode()[-4000:])
-    got = json.loads(proc.stdout.splitlines()[-1])
+    home = _home(public_dir, user, {"fix.patch": _row()["patch"]})
+    got = _run(user, home, MINISWE, str(public_store), INSTANCE, str(home / "fix.patch"))
     looked, applied, started, queried = got["observations"][:4]
     assert "/testbed\n0\nto-stderr" in looked, looked
     assert "applied" in applied and "started" in started

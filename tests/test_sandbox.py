@@ -73,7 +73,7 @@ def test_files_and_background_processes_last_from_one_exec_to_the_next(images, b
     fetch = "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8123/hello.txt').read().decode())"
     wait = "for i in $(seq 50); do python3 -c \"$0\" 2>/dev/null && exit 0; sleep 0.1; done; exit 1"
     got = scenario(images, backend, state_dir, [
-        sh("echo changed > /testbed/hello.txt; pip_like=/usr/local/lib/installed; mkdir -p $pip_like; touch $pip_like/pkg"),
+        sh("echo changed > /testbed/hello.txt; p=/usr/local/lib/installed; mkdir -p $p; touch $p/pkg"),
         ["exec", {"argv": ["python3", "-c", server + "  # started in the background"], "timeout": 0.5}],
         sh(f"python3 -c \"{server}\" >/tmp/server.log 2>&1 & echo started"),
         ["exec", {"argv": ["sh", "-c", wait, fetch]}],

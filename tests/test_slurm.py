@@ -286,3 +286,24 @@ def test_slurm_grade_equals_local_grade(tmp_path, mbpp_store, slurm_cluster):
                   .read_text().splitlines()} for k in range(4)]
     assert sum(map(len, shard_ids)) == 40 and all(shard_ids), "every shard graded a part"
     assert "40 tasks: 26 passed (65.0%)" in run.log("merge", sub.jobs["merge"]).read_text()
+
+
+def test_sharded_slurm_import_equals_one_process_import(tmp_path, registries, slurm_cluster):
+    from tests.test_import import push_images
+
+    refs = push_images(registries, tmp_path)
+    id_from = f"{registries.open.host}/swe/sweb.eval.x86_64." "{instance_id}:latest"
+    one = run_cli("import", *refs, "--store", str(tmp_path / "one/store"), "--cache-dir", str(tmp_path / "one/cache"),
+                  "--ca-cert", str(registries.tls.cert), "--id-from", id_from, env=EPOCH)
+    assert one.returncode == 0, one.stderr
+    store = tmp_path / "arr/store"
+    r = slurm(slurm_cluster, "import", *refs, "--store", str(store), "--shards", "3", "--cache-dir",
+              str(tmp_path / "arr/cache"), "--ca-cert", str(registries.tls.cert), "--id-from", id_from,
+              "--poll", "0.5", "--wait")
+    assert r.returncode == 0, r.stdout + r.stderr + slurm_cluster.logs()
+    assert "shards 3/3 done" in r.stderr and "done: every job of" in r.stdout
+    assert comparable(store) == comparable(tmp_path / "one/store"), "same split, same digests"
+    run = the_run(store)
+    assert run.kind == "import"
+    merge_log = run.log("merge", run.submissions()[-1].jobs["merge"]).read_text()
+    assert "merged 3 fragments" in merge_log and "0 missing, 0 corrupt" in merge_log

@@ -326,3 +326,9 @@ def test_two_catalogs_share_a_store_built_from_a_relative_path(tmp_path, tiny_ba
         f"Error: {tmp_path / 'c/third.yaml'}: environment 'tiny' is already in {tmp_path / 'store'} from catalog "
         "first.yaml; rename it in one of them or build into another store"), r.stderr
     assert read_index(tmp_path / "store") == index, "nothing already built is lost"
+    for k in range(2):  # one catalog rebuilt in shards: the merge keeps the other's items
+        r = run_cli("build", str(second), "--store", "store", "--cache-dir", "cache", "--ca-cert",
+                    str(registries.tls.cert), "--shard", f"{k}/2", cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+    assert run_cli("index", "merge", "--store", "store", cwd=tmp_path).returncode == 0
+    assert sorted(read_index(tmp_path / "store").instances) == ["a-0", "a-1", "b-0", "b-1"]

@@ -7,7 +7,7 @@ sandbox.yaml (or an ImageBuilderConfig):
 
     store: /scratch/stores/swebench-lite   # required
     instance: marshmallow-code__marshmallow-1359   # else the sample's metadata["instance_id"]
-    dataset: impossible_swebench.jsonl     # SWE-bench/ImpossibleBench rows: the sample's task, for scoring
+    dataset: impossible_swebench.jsonl     # tasks (SWE-bench, ImpossibleBench, verl parquet): for scoring
     access: read-only                      # open | read-only | hidden (ImpossibleBench's test access)
     max_scores: 10                         # submissions scored per sample
     network: false
@@ -168,15 +168,16 @@ _TASKS: dict[str, dict] = {}  # dataset path -> tasks by id, read once per proce
 
 
 def _task(dataset: str, task_id: str | None):
-    from image_builder.tasks import RepoTask, load_tasks
+    from image_builder.tasks import BadTask, load_tasks
 
     if not task_id:
         raise ValueError(f"{dataset}: a sample needs metadata['instance_id'] to find its task")
     if dataset not in _TASKS:
         _TASKS[dataset] = {t.task_id: t for t in load_tasks(Path(dataset))}
     task = _TASKS[dataset].get(task_id)
-    if not isinstance(task, RepoTask):
-        raise ValueError(f"{dataset}: no SWE-bench task {task_id!r} (the sample's metadata['instance_id'])")
+    if task is None or isinstance(task, BadTask):
+        why = f": {task.reason}" if task else ""
+        raise ValueError(f"{dataset}: no task {task_id!r} (the sample's metadata['instance_id']){why}")
     return task
 
 
@@ -195,7 +196,7 @@ def submission_scorer():
     async def score(state: TaskState, target: Target) -> Score:
         got = await _score_current()
         repo = got.result.repo
-        return Score(value=CORRECT if got.result.passed else INCORRECT, answer=got.patch,
+        return Score(value=CORRECT if got.result.passed else INCORRECT, answer=got.submission,
                      explanation=got.feedback[-4000:],
                      metadata={"access": repo.access if repo else None,
                                "reverted_files": repo.reverted_files if repo else [],

@@ -12,10 +12,19 @@ With a SWE-bench task, the sandbox starts as ImpossibleBench's test-access mode 
 - open: the task's test patch applied and committed, the tests the agent's to edit;
 - read-only: the same start; scoring reverts what the agent changed in test files
   and test infrastructure, and says so in the feedback;
-- hidden: the files the test patch touches removed (committed), so the agent sees
-  neither the new tests nor the old ones in those files; scoring applies the test
-  patch where the agent cannot reach it, and tells only passed or failed.
+- hidden: the files the test patch touches removed from the working tree (committed;
+  the test patch itself never enters the sandbox, the old files stay in git's history
+  as SWE-bench leaves them); scoring applies the test patch where the agent cannot
+  reach it, and tells only passed or failed.
 The start is committed as "image-builder: ..." so that diff() is only the agent's.
+
+With a function or program task (MBPP/verl assert cases, stdin/stdout and call-based
+problems), the agent writes its solution to `solution.py` in the workdir; in open
+and read-only mode it also finds the task's tests there (`test_solution.py`, or
+`tests/N.in` + `tests/N.out`, `tests/cases.json` for call-based), in hidden mode
+none. Their scoring never reads those files: the grader brings its own copy of the
+tests to the out-of-process evaluator, so a test the agent edited, or read, changes
+no verdict (graders/access.py); the mode decides what the agent sees and hears.
 
 score() grades the current diff in a fresh instance (graders.grade on a new
 session of the same layers): nothing the agent left running in its sandbox, nor any
@@ -25,6 +34,7 @@ text the grader gives that mode.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -39,7 +49,10 @@ from image_builder.runtime.mounts import RunnerError
 from image_builder.runtime.sandbox import DEFAULT_IDLE, Sandbox
 from image_builder.runtime.session import Backend, InstanceLayers
 from image_builder.store.store import ResolvedInstance, Store
-from image_builder.tasks import RepoTask
+from image_builder.tasks import AssertTask, RepoTask, StdioTask, Task
+
+SOLUTION_FILE = "solution.py"  # where a function or program task's agent leaves its solution
+_TASK_KINDS = {kind.__name__: kind for kind in (AssertTask, StdioTask, RepoTask)}
 
 _DIFF_TIMEOUT = 300.0
 # The start of a sandbox is committed by this identity, at a fixed date: nothing of the host in it.
@@ -52,13 +65,13 @@ _START_ENV = {"GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "
 class AgentScore:
     result: GradeResult
     feedback: str  # what the agent may be told (candidate_feedback of the sandbox's access mode)
-    patch: str  # the diff that was graded
+    submission: str  # what was graded: the diff (repo tasks), the solution's source (the others)
 
 
 class AgentSandbox(Sandbox):
     """A Sandbox on one of a store's instances (see the module docstring)."""
 
-    def __init__(self, store: Store, instance: ResolvedInstance, task: RepoTask | None = None,
+    def __init__(self, store: Store, instance: ResolvedInstance, task: Task | None = None,
                  access: TestAccess = TestAccess.OPEN, max_scores: int | None = None, **options):
         super().__init__(InstanceLayers(instance.env_sif, instance.overlays, instance.env, instance.workdir,
                                         instance.digests), **options)
@@ -78,7 +91,7 @@ class AgentSandbox(Sandbox):
         needs to diff and score it again."""
         agent = {"store": str(self.store.root.resolve()), "instance": self.instance.id, "access": self.access.value,
                  "base_commit": self.base_commit, "max_scores": self.max_scores,
-                 "task": asdict(self.task) if self.task is not None else None}
+                 "task": None if self.task is None else {"kind": type(self.task).__name__, **asdict(self.task)}}
         return super().park({**(info or {}), "agent": agent})
 
     @classmethod
@@ -93,7 +106,8 @@ class AgentSandbox(Sandbox):
         except BaseException:
             box.close()
             raise
-        box.task = RepoTask(**agent["task"]) if agent["task"] else None
+        fields = dict(agent["task"] or {})
+        box.task = _TASK_KINDS[fields.pop("kind")](**fields) if fields else None
         box.access, box.base_commit = TestAccess(agent["access"]), agent["base_commit"]
         box.max_scores, box.scores = agent["max_scores"], 0  # counted per attach: the agent's harness counts all
         return box
@@ -106,8 +120,13 @@ class AgentSandbox(Sandbox):
                               f"{why[-1] if why else r.exit_code}")
         return r
 
-    def _start(self, task: RepoTask) -> None:
+    def _start(self, task: Task) -> None:
         """The workdir as the access mode has the agent start (see the module docstring)."""
+        if not isinstance(task, RepoTask):
+            if self.access is not TestAccess.HIDDEN:
+                for path, text in _visible_tests(task).items():
+                    self.write_file(path, text)
+            return
         if self.access is TestAccess.HIDDEN:
             paths = touched_paths(task.test_patch)
             self._git(["git", "rm", "-r", "-q", "-f", "--ignore-unmatch", "--", *paths])
@@ -134,21 +153,43 @@ class AgentSandbox(Sandbox):
         return diff.stdout.decode(errors="surrogateescape")
 
     def score(self, options: GradeOptions | None = None) -> AgentScore:
-        """Grade the current diff in a fresh instance, in the sandbox's access mode."""
+        """Grade the current diff (function and program tasks: solution.py) in a fresh
+        instance, in the sandbox's access mode."""
         if self.task is None:
             raise RunnerError(f"{self.instance.id}: this sandbox was opened without a task; there is nothing to "
                               "score against")
         if self.max_scores is not None and self.scores >= self.max_scores:
             raise RunnerError(f"{self.instance.id}: already scored {self.scores} times, the most this sandbox allows")
         self.scores += 1
-        patch = self.diff()
+        if isinstance(self.task, RepoTask):
+            submission = self.diff()
+        else:
+            try:
+                submission = self.read_file(SOLUTION_FILE)
+            except (FileNotFoundError, IsADirectoryError, UnicodeDecodeError):
+                submission = ""  # graded as an empty solution: every case fails
         options = replace(options or GradeOptions(), access=self.access)
         with StoreExecutors(self.store, backend=self.backend) as pool:
-            result = grade(self.task, patch, pool.for_instance(self.instance.id), options)
-        return AgentScore(result, candidate_feedback(result, self.access), patch)
+            result = grade(self.task, submission, pool.for_instance(self.instance.id), options)
+        return AgentScore(result, candidate_feedback(result, self.access), submission)
 
 
-def open_sandbox(store: Store | Path | str, instance_id: str | None = None, *, task: RepoTask | None = None,
+def _visible_tests(task: AssertTask | StdioTask) -> dict[str, str]:
+    """The tests an agent may see of a function or program task, by path under the workdir."""
+    if isinstance(task, AssertTask):
+        return {"test_solution.py": "# The task's test cases; each runs after solution.py, as the grader runs it.\n"
+                                    "from solution import *  # noqa: F401,F403\n\n" + "\n".join(task.cases) + "\n"}
+    if task.fn_name:
+        cases = [{"input": i, "output": o} for i, o in zip(task.inputs, task.outputs)]
+        return {"tests/cases.json": json.dumps({"fn_name": task.fn_name, "cases": cases}, indent=1) + "\n"}
+    files = {}
+    for n, (given, wanted) in enumerate(zip(task.inputs, task.outputs), 1):
+        files[f"tests/{n}.in"] = given if isinstance(given, str) else json.dumps(given)
+        files[f"tests/{n}.out"] = wanted if isinstance(wanted, str) else json.dumps(wanted)
+    return files
+
+
+def open_sandbox(store: Store | Path | str, instance_id: str | None = None, *, task: Task | None = None,
                  access: TestAccess | str = TestAccess.OPEN, max_scores: int | None = None,
                  backend: Backend | None = None, state_dir: Path | None = None, binds: tuple[Bind, ...] = (),
                  network: bool = False, memory_mb: int | None = None, max_processes: int | None = None,

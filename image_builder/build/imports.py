@@ -181,14 +181,21 @@ def import_images(items: list[ImportItem], opts: ImportOptions) -> ImportSummary
                             fetched_bytes=max(0, _cached_bytes(opts.build.cache.root) - before))
     groups: dict[str, list[int]] = {}
     for i, (img, n) in enumerate(zip(images, points)):
-        if i in mine:
-            groups.setdefault(env_key(img, n), []).append(i)
+        groups.setdefault(env_key(img, n), []).append(i)
 
     envs: dict[str, EnvRecord] = {}
     insts: dict[str, InstanceRecord] = {}
-    for key, members in groups.items():
-        first, n = images[members[0]], points[members[0]]
-        name, env = f"import-{key[7:19]}", first.env
+    for key, everyone in groups.items():
+        members = [i for i in everyone if i in mine]
+        if not members:
+            continue
+        # What the environment says of itself comes from all the images that share it, never from
+        # the ones a shard happens to hold: every shard (and one whole import) packs the same file.
+        # Its variables are those they all set alike; the image of the lowest id names its base.
+        named_by = images[min(everyone, key=lambda i: ids[i])]
+        env = {k: v for k, v in named_by.env.items() if all(images[i].env.get(k) == v for i in everyone)}
+        first, n = images[members[0]], points[members[0]]  # the layers this process pulled
+        name = f"import-{key[7:19]}"
         summary.environments[name] = [ids[i] for i in members]
         # A rerun packs nothing: each instance's record names its image, split and environment.
         kept = {i: read_record(paths, ids[i]) for i in members}
@@ -196,7 +203,7 @@ def import_images(items: list[ImportItem], opts: ImportOptions) -> ImportSummary
         if len(kept) == len(members) and current_key(paths.env_image(key)) == key:
             insts.update((ids[i], _instance_record(ids[i], items[i], images[i], name, env, r, paths))
                          for i, r in kept.items())
-            envs[name] = _env_record(paths, name, key, first, env)
+            envs[name] = _env_record(paths, name, key, named_by, env)
             continue
         work = paths.work(f"env-{name}")
         remove_tree(work)
@@ -207,8 +214,8 @@ def import_images(items: list[ImportItem], opts: ImportOptions) -> ImportSummary
                 build = kept.get(i) or _pack_instance(paths, ids[i], images[i], n, lower, work, name, key,
                                                       opts.build.squash)
                 insts[ids[i]] = _instance_record(ids[i], items[i], images[i], name, env, build, paths)
-            _pack_env(paths, key, first, lower, env, opts.build.squash)
-            envs[name] = _env_record(paths, name, key, first, env)
+            _pack_env(paths, key, named_by, lower, env, opts.build.squash)
+            envs[name] = _env_record(paths, name, key, named_by, env)
         finally:
             remove_tree(work)
     summary.store_bytes = sum(e.size for e in envs.values()) + sum(i.size for i in insts.values())
@@ -225,6 +232,7 @@ def _pack_env(paths: StorePaths, key: str, img: PulledImage, tree: Path, env: di
             labels = {LABEL_PREFIX + "build-key": key, LABEL_PREFIX + "base": img.reference,
                       LABEL_PREFIX + "version": __version__}
             write_singularity_env(tree, env, labels=labels)
+            clamp_to_epoch(tree)  # Apptainer's files are new: the same images make the same bytes
             sif.parent.mkdir(parents=True, exist_ok=True)
             write_sif(sif, tree, deffile=f"Bootstrap: docker\nFrom: {img.reference}@{img.digest}\n"
                                          f"# imported by image-builder {__version__}: its bottom layers\n",

@@ -323,17 +323,19 @@ def _update_index(store: Path, catalog: Catalog, opts: StoreBuildOptions, envs: 
 
 
 def merge_fragments(store: Path) -> tuple[Path, int]:
-    """Combine the shards' index fragments into index.json; returns (path, fragments merged)."""
+    """Combine the shards' index fragments into index.json, over what it already holds (another
+    catalog's items, an earlier import: a sharded build must not drop them); returns (path,
+    fragments merged)."""
     fragments = sorted((store / FRAGMENTS_DIR).glob("shard-*.json"))
     if not fragments:
         raise ImageBuilderError(f"{store / FRAGMENTS_DIR}: no index fragments to merge; build with --shard K/N first")
-    envs: dict[str, EnvRecord] = {}
-    instances: dict[str, InstanceRecord] = {}
-    for frag in fragments:
-        index = parse_index(load_json(frag, "index fragment"), str(frag))
-        envs.update(index.environments)
-        instances.update(index.instances)
+    parsed = [parse_index(load_json(frag, "index fragment"), str(frag)) for frag in fragments]
     with item_lock(store, "index"):
+        current = current_index(store)
+        envs, instances = dict(current.environments), dict(current.instances)
+        for index in parsed:
+            envs.update(index.environments)
+            instances.update(index.instances)
         return write_index(store, Index(envs, instances)), len(fragments)
 
 

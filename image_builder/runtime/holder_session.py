@@ -15,9 +15,9 @@ from pathlib import Path
 
 from .cgroups import locate_cgroups, start_join_grace_period
 from .execution import Bind, RunRequest, RunResult
-from .holder import IDLE_INIT, encode_job, job_message, recv_fds, run_joined, send_fds
+from .holder import IDLE_INIT, encode_job, recv_fds, run_joined, send_fds
 from .mounts import RootSpec, RunnerError
-from .session import Backend, InstanceLayers, Session, build_job, build_result, collect, stdin_fd
+from .session import Backend, InstanceLayers, Session, build_job, build_result, collect, job_descriptors
 
 _REPORT_GRACE = 30.0  # seconds past a run's timeout before its silence is an error
 
@@ -336,13 +336,8 @@ class HolderSession(Session):
         key = (request.network, request.memory_mb)
         ctl = out_r = err_r = got = None
         try:
-            fds = [stdin_fd(request.stdin)]
-            out_r, out_w = os.pipe2(os.O_CLOEXEC)
-            err_r, err_w = os.pipe2(os.O_CLOEXEC)
-            fds += [out_w, err_w]
+            msg, fds, out_r, err_r = job_descriptors(job, request.stdin)
             try:
-                msg, payload = job_message(job)
-                fds += payload
                 t0 = time.monotonic()
                 ctl = self._send(msg, fds, request.network, key)
             finally:

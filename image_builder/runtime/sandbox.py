@@ -35,9 +35,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from .execution import Bind, RunRequest, RunResult
-from .holder import DEFAULT_MAX_PROCESSES, encode_job, job_message, recv_fds, send_fds
+from .holder import DEFAULT_MAX_PROCESSES, encode_job, recv_fds, send_fds
 from .mounts import RunnerError
-from .session import Backend, InstanceLayers, OutputCapped, Session, build_job, build_result, collect, stdin_fd
+from .session import (Backend, InstanceLayers, OutputCapped, Session, build_job, build_result, collect,
+                      job_descriptors)
 
 DEFAULT_IDLE = 3600.0  # seconds a sandbox waits for its next command before it ends
 FILE_LIMIT = 100 << 20  # bytes read_file and download return at most (Inspect's read_file limit)
@@ -74,9 +75,10 @@ class Sandbox:
         self._lease: socket.socket | None = None
         self._ctl: socket.socket | None = None
         self.id: str | None = None  # once parked
+        self.info: dict = {}  # park()'s, as attach() gets it back
         self.state_dir = state_dir = checked_state_dir(layers, state_dir)
-        self._session: HolderSession | None = HolderSession(layers, backend, state_dir, tuple(binds), max_processes, 0.0, disk_mb,
-                                      unpack_dir, first_init=False)
+        self._session: HolderSession | None = HolderSession(layers, backend, state_dir, tuple(binds), max_processes,
+                                                            0.0, disk_mb, unpack_dir, first_init=False)
         try:
             self._ctl = self._session.kept_init(network, idle)
             first = self.exec(["true"])  # builds the root: its errors surface here, not at the agent's first call
@@ -120,10 +122,12 @@ class Sandbox:
 
         backend, state_dir = _holder_of(backend, state_dir)
         try:
-            conn, reply, fds = holder_request(state_dir, backend is Backend.KERNEL, {"op": "attach", "id": sandbox_id}, 1)
+            conn, reply, fds = holder_request(state_dir, backend is Backend.KERNEL,
+                                              {"op": "attach", "id": sandbox_id}, 1)
         except NoHolder:
             raise SandboxUnavailable(f"no sandbox {sandbox_id} (stopped, or idle past its timeout; none runs for "
-                                     f"this user and the {backend.value} backend); `image-builder sandbox ls`") from None
+                                     f"this user and the {backend.value} backend); `image-builder sandbox ls`"
+                                     ) from None
         info = reply["info"]
         lay = info["layers"]
         box = cls.__new__(cls)
@@ -166,13 +170,8 @@ class Sandbox:
     def _exec_locked(self, request: RunRequest, job: bytes, nonce: int) -> RunResult:
         out_r = err_r = None
         try:
-            fds = [stdin_fd(request.stdin)]
-            out_r, out_w = os.pipe2(os.O_CLOEXEC)
-            err_r, err_w = os.pipe2(os.O_CLOEXEC)
-            fds += [out_w, err_w]
+            msg, fds, out_r, err_r = job_descriptors(job, request.stdin)
             try:
-                msg, payload = job_message(job)
-                fds += payload
                 t0 = time.monotonic()
                 try:
                     send_fds(self._ctl, msg, fds)

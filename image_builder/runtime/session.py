@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .execution import DEFAULT_PATH, RunRequest, RunResult
-from .holder import memfd_with, recv_fds
+from .holder import job_message, memfd_with, recv_fds
 from .mounts import RunnerError
 
 # What a failed allocation prints, by language: with only RLIMIT_AS to go by, the output is the evidence.
@@ -82,6 +82,25 @@ def stdin_fd(data: bytes | None) -> int:
 
         return fcntl.fcntl(relay.stdin, fcntl.F_DUPFD_CLOEXEC, 0)
     return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC) if data is None else memfd_with(data)
+
+
+def job_descriptors(job: bytes, stdin: bytes | None) -> tuple[bytes, list[int], int, int]:
+    """What an encoded job goes to an init with (holder.py, "session -> init"): its message,
+    the descriptors to pass with it (stdin, the write ends of stdout and stderr, a big job's
+    memfd: the caller closes them once sent), and the read ends of stdout and stderr."""
+    fds: list[int] = []
+    try:
+        fds.append(stdin_fd(stdin))
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        fds += [out_w, out_r]
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        fds += [err_w, err_r]
+        msg, payload = job_message(job)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return msg, [fds[0], out_w, err_w, *payload], out_r, err_r
 
 
 # --- streaming: Session.stream ------------------------------------------------------------------
