@@ -155,6 +155,8 @@ def main() -> int:
     say("\nNext, try:")
     say(f"  .venv/bin/image-builder ls --store {mbpp}")
     say(f"  .venv/bin/image-builder shell marshmallow-code__marshmallow-1359 --store {swe}")
+    say(f"  id=$(.venv/bin/image-builder sandbox start marshmallow-code__marshmallow-1359 --store {swe}); "
+        ".venv/bin/image-builder sandbox exec $id -- git status; .venv/bin/image-builder sandbox stop $id")
     say(f"  .venv/bin/image-builder grade --store {mbpp} --tasks index/data/mbpp_train_40.parquet "
         f"--predictions index/data/mbpp_train_40_solutions.jsonl -o results.jsonl")
     ok = all(f"{s.pass_rate:.0%}" == row.expect for row, s in rows)

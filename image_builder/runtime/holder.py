@@ -125,11 +125,14 @@ def recv_fds(sock: socket.socket, maxfds: int = 8, flags: int = 0) -> tuple[dict
 DEFAULT_MAX_PROCESSES = 1024
 IDLE_INIT = 60.0  # seconds a ready init waits for its job before it leaves
 _JOB_HEADER = struct.Struct("<4sIIIqqqq")
+# In the holder's socket name (holder_session.holder_name): a holder of an older image_builder,
+# still lingering after an upgrade, is not handed jobs in a format its inits do not read.
+PROTOCOL = "IBJ2"
 
 
 def encode_job(job: dict) -> bytes:
     """A job (runtime.build_job) as image-builder-init reads it (the format is in init.c)."""
-    parts = [_JOB_HEADER.pack(b"IBJ2", len(job["argv"]), len(job["env"]), len(job["files"]),
+    parts = [_JOB_HEADER.pack(PROTOCOL.encode(), len(job["argv"]), len(job["env"]), len(job["files"]),
                               -1 if job["timeout"] is None else int(job["timeout"] * 1e6), job["memory_mb"] or 0,
                               job["max_processes"], job.get("nonce", 0))]
     for text in (job["workdir"], *job["argv"], *(f"{k}={v}" for k, v in job["env"].items()), *job["files"]):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .cgroups import locate_cgroups, start_join_grace_period
 from .execution import Bind, RunRequest, RunResult
-from .holder import IDLE_INIT, encode_job, recv_fds, run_joined, send_fds
+from .holder import IDLE_INIT, PROTOCOL, encode_job, recv_fds, run_joined, send_fds
 from .mounts import RootSpec, RunnerError
 from .session import Backend, InstanceLayers, Session, build_job, build_result, collect, job_descriptors
 
@@ -70,15 +70,15 @@ def _new_token(state_dir: Path, stale: str | None) -> str:
 
 
 def holder_name(state_dir: Path, kernel: bool, token: str | None = None) -> str:
-    """The holder's abstract socket name: per user, backend and interpreter (messages
-    are marshal), with the state dir's secret token (made on first use), so that another
+    """The holder's abstract socket name: per user, backend, interpreter (messages are
+    marshal) and job format, with the state dir's secret token (made on first use), so that another
     user cannot bind the name before the holder does. An abstract socket vanishes with
     its process: a dead holder leaves no socket file behind."""
     import zlib
 
     token = token or _read_token(state_dir) or _new_token(state_dir, None)
     kind = "kernel" if kernel else "userns"
-    key = f"{sys.version}:{kind}"
+    key = f"{sys.version}:{kind}:{PROTOCOL}"
     return f"image-builder-{os.getuid()}-{token}-{zlib.crc32(key.encode()):08x}-{kind}"
 
 
