@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import CACHE, Report, Row, need, python_rootfs
+from bench.common import CACHE, Report, Row, need, python_rootfs, timed
 from image_builder.pack.sif import write_sif
 from image_builder.pack.squashfs import SquashOptions
 from image_builder.runtime.sandbox import Sandbox
@@ -62,12 +62,6 @@ def _env_sif(rootfs: Path) -> Path:
         write_sif(sif.with_suffix(".tmp"), rootfs, deffile="", labels={}, squash=SquashOptions(), created=0)
         sif.with_suffix(".tmp").rename(sif)
     return sif
-
-
-def _run(argv: list[str], env: dict | None = None) -> float:
-    t0 = time.perf_counter()
-    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, env=env)
-    return time.perf_counter() - t0
 
 
 def _wheel() -> bytes:
@@ -116,7 +110,7 @@ def main(rounds: int = 40) -> Report:
     bwrap, ch_run = need("bwrap"), need("ch-run")
     report = Report("sandbox")
     state = Path(tempfile.mkdtemp(prefix="ib-bench-sandbox-"))
-    env = {**os.environ, "USER": "root"}
+    env = {"USER": "root"}  # ch-run wants one; timed() adds the rest of ours
     try:
         with Sandbox(layers, backend=Backend.KERNEL, state_dir=state / "warm") as box:
             times: dict[str, list[float]] = {"ours": [], "chroot": [], "bwrap": []}
@@ -124,9 +118,9 @@ def main(rounds: int = 40) -> Report:
                 t0 = time.perf_counter()
                 assert box.exec(PASS).exit_code == 0
                 times["ours"].append(time.perf_counter() - t0)
-                times["chroot"].append(_run(["chroot", str(rootfs), *PASS]))
-                times["bwrap"].append(_run([bwrap, "--bind", str(rootfs), "/", "--proc", "/proc", "--dev", "/dev",
-                                            *PASS]))
+                times["chroot"].append(timed(["chroot", str(rootfs), *PASS], repeat=1))
+                times["bwrap"].append(timed([bwrap, "--bind", str(rootfs), "/", "--proc", "/proc", "--dev", "/dev",
+                                              *PASS], repeat=1))
             med = {k: statistics.median(v) for k, v in times.items()}
             report.rows.append(Row("exec `python3 -c pass` in a live sandbox (median)", med["ours"], "chroot DIR",
                                    med["chroot"], "<= 1.2x"))
@@ -138,7 +132,7 @@ def main(rounds: int = 40) -> Report:
             with Sandbox(layers, backend=Backend.KERNEL, state_dir=state / f"cold{i}") as box:
                 box.exec(["true"])
                 starts.append(time.perf_counter() - t0)
-            peers.append(_run([ch_run, str(rootfs), "--", "true"], env=env))
+            peers.append(timed([ch_run, str(rootfs), "--", "true"], env=env, repeat=1))
         report.rows.append(Row("sandbox start: open (new holder) + first exec (median)", statistics.median(starts),
                                "ch-run DIR -- true", statistics.median(peers), "< 1x"))
         warm = []

@@ -454,8 +454,7 @@ def run(instance, command, store, timeout, memory, net, binds, env_vars, workdir
     except BrokenPipeError:  # our reader left (`run ... | head`): end as a pipeline's writer does
         sys.exit(141)
     if capped:
-        click.echo(f"image-builder: {capped.stream} went over --max-output ({capped.limit} bytes): the command "
-                   "was stopped and the rest of its output dropped", err=True)
+        _say_capped(capped)
     if as_json:
         for fd in sinks:
             os.close(fd)
@@ -467,10 +466,20 @@ def run(instance, command, store, timeout, memory, net, binds, env_vars, workdir
         sys.exit(_CAPPED if capped else 0)
     if capped:
         sys.exit(_CAPPED)
+    _exit_as(result, timeout)
+
+
+def _say_capped(capped) -> None:
+    click.echo(f"image-builder: {capped.stream} went over --max-output ({capped.limit} bytes): the command "
+               "was stopped and the rest of its output dropped", err=True)
+
+
+def _exit_as(result, timeout: float | None) -> None:
+    """End as the command did (`run`, `sandbox exec`): 124 when --timeout stopped it, as timeout(1) does."""
     if result.timed_out:
         click.echo(f"image-builder: timed out after {timeout:g} s", err=True)
-        sys.exit(124)  # as timeout(1) does
-    sys.exit(result.exit_code if result.exit_code is not None else 128 + (result.signal or 0))
+        sys.exit(124)
+    sys.exit(result.exit_status)
 
 
 # A login shell's startup files, then the image's environment over them: /etc/profile sets PATH
@@ -868,15 +877,11 @@ def sandbox_exec(sandbox_id, command, timeout, env_vars, cwd, max_output, backen
         try:
             result = box.stream(request, stdin=0)
         except OutputCapped as e:
-            click.echo(f"image-builder: {e.stream} went over --max-output ({e.limit} bytes): the command was "
-                       "stopped", err=True)
+            _say_capped(e)
             sys.exit(_CAPPED)
         except BrokenPipeError:
             sys.exit(141)
-    if result.timed_out:
-        click.echo(f"image-builder: timed out after {timeout:g} s", err=True)
-        sys.exit(124)
-    sys.exit(result.exit_code if result.exit_code is not None else 128 + (result.signal or 0))
+    _exit_as(result, timeout)
 
 
 @sandbox_group.command(name="cp")

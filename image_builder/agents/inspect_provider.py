@@ -47,13 +47,10 @@ from pydantic import BaseModel
 
 from image_builder.graders.access import TestAccess
 from image_builder.runtime.mounts import RunnerError
-from image_builder.runtime.sandbox import SandboxUnavailable
+from image_builder.runtime.sandbox import ROOT_USERS, SandboxUnavailable
 from image_builder.runtime.session import OutputCapped
 
 from .sandbox import AgentSandbox, AgentScore, open_sandbox
-
-_ROOT_USERS = (None, "root", "0")
-
 
 class ImageBuilderConfig(BaseModel, frozen=True):
     store: str
@@ -123,7 +120,7 @@ class ImageBuilderSandboxEnvironment(SandboxEnvironment):
     async def exec(self, cmd: list[str], input: str | bytes | None = None, cwd: str | None = None,
                    env: dict[str, str] | None = None, user: str | None = None, timeout: int | None = None,
                    timeout_retry: bool = True, concurrency: bool = True) -> ExecResult[str]:
-        if user not in _ROOT_USERS:
+        if user not in ROOT_USERS:
             raise SandboxUserUnsupportedError(f"the image_builder sandbox runs commands as root, not {user!r}")
         limit = SandboxEnvironmentLimits.MAX_EXEC_OUTPUT_SIZE
         try:
@@ -136,8 +133,7 @@ class ImageBuilderSandboxEnvironment(SandboxEnvironment):
         stdout, stderr = r.stdout.decode(errors="replace"), r.stderr.decode(errors="replace")
         if r.truncated:
             raise OutputLimitExceededError(SandboxEnvironmentLimits.MAX_EXEC_OUTPUT_SIZE_STR, stdout)
-        code = r.exit_code if r.exit_code is not None else 128 + (r.signal or 0)
-        return ExecResult(success=code == 0, returncode=code, stdout=stdout, stderr=stderr)
+        return ExecResult(success=r.exit_status == 0, returncode=r.exit_status, stdout=stdout, stderr=stderr)
 
     async def write_file(self, file: str, contents: str | bytes) -> None:
         await self._files(lambda: self.box.write_file(file, contents))

@@ -59,8 +59,7 @@ class ImageBuilderEnvironment:
                       "exception_info": f"An error occurred while executing the command: timed out after {seconds} s",
                       "extra": {"exception_type": "TimeoutExpired", "exception": f"timed out after {seconds} s"}}
         else:
-            code = r.exit_code if r.exit_code is not None else 128 + (r.signal or 0)
-            output = {"output": text, "returncode": code, "exception_info": ""}
+            output = {"output": text, "returncode": r.exit_status, "exception_info": ""}
         self._check_finished(output)
         return output
 

@@ -60,6 +60,11 @@ class RunResult:
     def ok(self) -> bool:
         return self.exit_code == 0 and not self.timed_out
 
+    @property
+    def exit_status(self) -> int:
+        """What a shell would report: the exit code, or 128 + N when signal N killed it."""
+        return self.exit_code if self.exit_code is not None else 128 + (self.signal or 0)
+
 
 class Executor(Protocol):
     def run(self, request: RunRequest) -> RunResult: ...

@@ -43,7 +43,7 @@ from .session import (Backend, InstanceLayers, OutputCapped, Session, build_job,
 DEFAULT_IDLE = 3600.0  # seconds a sandbox waits for its next command before it ends
 FILE_LIMIT = 100 << 20  # bytes read_file and download return at most (Inspect's read_file limit)
 _REPORT_GRACE = 5.0  # seconds past an exec's timeout its answer may take (the kill, the reaping)
-_ROOT_USERS = (None, "root", "0")
+ROOT_USERS = (None, "root", "0")  # the users a sandbox runs commands as: root of its user namespace
 _HELPER_TIMEOUT = 600.0  # seconds for a file helper: a fifo planted where a file was expected must not hang us
 
 # read_file/write_file through the sandbox's own shell: a symlink the agent planted is
@@ -64,13 +64,10 @@ class Sandbox:
                  binds: tuple[Bind, ...] = (), network: bool = False, memory_mb: int | None = None,
                  max_processes: int = DEFAULT_MAX_PROCESSES, disk_mb: int | None = None,
                  idle: float = DEFAULT_IDLE, unpack_dir: Path | None = None):
-        from .backends import checked_state_dir, detect_backend
+        from .backends import checked_state_dir
         from .holder_session import HolderSession
 
-        backend = backend or detect_backend()
-        if backend not in (Backend.KERNEL, Backend.USERNS):
-            raise RunnerError(f"a sandbox needs the kernel or userns backend, not {backend.value}; "
-                              "see `image-builder doctor`")
+        backend = _sandbox_backend(backend)
         self._limits(layers, backend, network, memory_mb, max_processes)
         self._lease: socket.socket | None = None
         self._ctl: socket.socket | None = None
@@ -145,7 +142,7 @@ class Sandbox:
         """Run `argv` in the sandbox and wait for it (not for what it leaves in the
         background). `cwd` relative to the workdir; `env` over the image's. The result's
         `truncated` says output went over `max_output` bytes (of stdout or stderr)."""
-        if user not in _ROOT_USERS:
+        if user not in ROOT_USERS:
             raise RunnerError(f"user {user!r}: a sandbox runs commands as root (its user namespace maps no "
                               "other user)")
         if isinstance(input, str):
@@ -290,12 +287,6 @@ class Sandbox:
 
     # -- the end --
 
-    def alive(self) -> bool:
-        try:
-            return self.exec(["true"], timeout=30).exit_code == 0
-        except SandboxUnavailable:
-            return False
-
     def close(self) -> None:
         """End the sandbox: every process in it is killed and its writable layer freed;
         a parked or attached one is only let go (stop_sandbox ends it)."""
@@ -313,13 +304,21 @@ class Sandbox:
         self.close()
 
 
-def _holder_of(backend: Backend | None, state_dir: Path | None) -> tuple[Backend, Path]:
-    from .backends import default_state_dir, detect_backend, private_state_dir
+def _sandbox_backend(backend: Backend | None) -> Backend:
+    from .backends import detect_backend
 
     backend = backend or detect_backend()
     if backend not in (Backend.KERNEL, Backend.USERNS):
-        raise RunnerError(f"sandboxes need the kernel or userns backend, not {backend.value}")
-    return backend, private_state_dir(Path(state_dir) if state_dir else default_state_dir())
+        raise RunnerError(f"a sandbox needs the kernel or userns backend, not {backend.value}; "
+                          "see `image-builder doctor`")
+    return backend
+
+
+def _holder_of(backend: Backend | None, state_dir: Path | None) -> tuple[Backend, Path]:
+    """The backend and this user's state dir, where a parked sandbox's holder is found."""
+    from .backends import default_state_dir, private_state_dir
+
+    return _sandbox_backend(backend), private_state_dir(Path(state_dir) if state_dir else default_state_dir())
 
 
 def kept_sandboxes(*, backend: Backend | None = None, state_dir: Path | None = None) -> list[dict]:
