@@ -6,13 +6,13 @@ PYTHON ?= /usr/bin/python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 # Runtime tools, then the ones only the tests and benchmarks use.
-APT_RUNTIME = python3-venv squashfs-tools squashfuse fuse-overlayfs fuse3 proot util-linux git ca-certificates
+APT_RUNTIME = python3-venv squashfs-tools squashfuse fuse-overlayfs fuse3 proot util-linux git ca-certificates e2fsprogs
 # To build image_builder/runtime/native: squashfuse_cached, and image-builder-init (static with musl:
 # glibc's start-up probes the CPU with cpuid, a VM exit each; 0.1 ms per init against 0.5).
 APT_BUILD   = gcc libc6-dev pkg-config libfuse3-dev libsquashfuse-dev musl-tools
 APT_TEST    = docker-registry siftool skopeo umoci debootstrap openssl munge slurmctld slurmd slurm-client
 # One binary per package, to tell whether the packages are already there.
-APT_PROBES  = mksquashfs musl-gcc squashfuse_ll fuse-overlayfs proot unshare git docker-registry siftool skopeo debootstrap openssl \
+APT_PROBES  = mksquashfs mkfs.ext4 musl-gcc squashfuse_ll fuse-overlayfs proot unshare git docker-registry siftool skopeo debootstrap openssl \
               umoci munged slurmctld slurmd sbatch
 
 .PHONY: all setup host venv native test demo bench clean

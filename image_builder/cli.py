@@ -799,6 +799,10 @@ def import_command(refs, store, list_file, env_layers, id_from, jobs, shard, cac
     click.echo(f"{len(items)} images, {len(summary.environments)} environments; store {_human(summary.store_bytes)} "
                f"against {_human(summary.image_bytes)} of image layers ({_human(summary.fetched_bytes)} fetched, "
                f"the rest from the cache); {summary.seconds:.1f} s; index: {summary.index}")
+    if summary.users:
+        shown = ", ".join(f"{iid} ({user})" for iid, user in list(summary.users.items())[:3])
+        click.echo(f"{len(summary.users)} images set a User ({shown}{', ...' if len(summary.users) > 3 else ''}): "
+                   "recorded in the index, not applied (commands run as root of the sandbox)")
 
 
 @main.group(name="sandbox")
@@ -827,13 +831,18 @@ sandbox_backend_option = click.option("--backend", type=click.Choice(["kernel", 
               help="Test access (with --tasks): open and read-only start with the tests in view (a repo task's "
                    "test patch applied); hidden without them.")
 @click.option("--memory", type=click.IntRange(1), metavar="MB", help="For the sandbox as a whole.")
-@click.option("--disk", type=click.IntRange(1), metavar="MB", help="Its writable layer (a tmpfs).")
+@click.option("--disk", type=click.IntRange(1), metavar="MB",
+              help="Its writable layer's size (a tmpfs; with --layer-dir, a file system there).")
+@click.option("--layer-dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              envvar="IMAGE_BUILDER_LAYER_DIR",
+              help="Keep the writable layer on this node-local disk instead of in memory: an ext4 of --disk MB "
+                   "(default 10240) as root, an uncapped directory rootless.  [env: IMAGE_BUILDER_LAYER_DIR]")
 @click.option("--net", is_flag=True, help="Allow network access (off by default).")
 @click.option("--idle", type=click.FloatRange(min=1), default=3600.0, show_default=True, metavar="SECONDS",
               help="It ends after this long without a command.")
 @sandbox_backend_option
 @_one_line_errors
-def sandbox_start(instance, store, tasks, access, memory, disk, net, idle, backend):
+def sandbox_start(instance, store, tasks, access, memory, disk, layer_dir, net, idle, backend):
     """Start a sandbox on INSTANCE; prints its id."""
     from image_builder.agents.sandbox import open_sandbox
     from image_builder.runtime.session import Backend
@@ -844,7 +853,7 @@ def sandbox_start(instance, store, tasks, access, memory, disk, net, idle, backe
         if task is None or isinstance(task, BadTask):
             raise click.UsageError(f"{tasks}: no task {instance!r}" + (f": {task.reason}" if task else ""))
     box = open_sandbox(store, None if task else instance, task=task, access=access, memory_mb=memory, disk_mb=disk,
-                       network=net, idle=idle, backend=Backend(backend) if backend else None)
+                       network=net, idle=idle, backend=Backend(backend) if backend else None, layer_dir=layer_dir)
     try:
         click.echo(box.park())
     finally:

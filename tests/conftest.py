@@ -136,6 +136,7 @@ def images(registries) -> TestImages:
 
 
 TEST_CACHE = Path.home() / ".cache" / "image_builder-tests"  # outside the checkout: reruns reuse it
+SHARED_DATA = Path(os.environ.get("IMAGE_BUILDER_SHARED_DATA", ROOT.parent / "shared" / "data"))  # see its README
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ the agent's copy of the cases never decides a verdict, in any mode."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -15,9 +14,9 @@ import pytest
 from image_builder.agents.sandbox import open_sandbox
 from image_builder.runtime.mounts import RunnerError
 from image_builder.tasks import load_tasks
+from tests.conftest import SHARED_DATA
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = Path(os.environ.get("IMAGE_BUILDER_SHARED_DATA", ROOT.parent / "shared" / "data"))
 TEST = "def test_datetime_list_inner_format(self, schema):"
 # The reward hack: the fix, then the failing test cut short (or, not finding the file, one written in its place).
 HACK = f"""
@@ -31,7 +30,7 @@ else:
 
 
 def _task(task_id: str):
-    return next(t for t in load_tasks(DATA / "swebench_marshmallow.jsonl") if t.task_id == task_id)
+    return next(t for t in load_tasks(SHARED_DATA / "swebench_marshmallow.jsonl") if t.task_id == task_id)
 
 
 @pytest.mark.parametrize("access, resolved", [("open", True), ("read-only", False), ("hidden", False)])
@@ -79,7 +78,7 @@ def test_function_tasks_are_scored_by_the_graders_tests_not_the_agents_copy(mbpp
     tasks = {t.task_id: t for t in load_tasks(MBPP_IMPOSSIBLE)}
     honest = mbpp_solutions()["516"]
     for task_id, passes in (("516__conflicting", False), ("516", True)):
-        task = tasks.get(task_id) or next(t for t in load_tasks(DATA / "mbpp_train_40.parquet") if t.task_id == task_id)
+        task = tasks.get(task_id) or next(t for t in load_tasks(SHARED_DATA / "mbpp_train_40.parquet") if t.task_id == task_id)
         with open_sandbox(mbpp_store, task=task, access=access, state_dir=tmp_path) as box:
             seen = box.exec(["cat", "test_solution.py"])
             assert (seen.exit_code == 0) is (access != "hidden"), seen

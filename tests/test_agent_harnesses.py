@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_runtime import NOBODY, eventually, processes_with
+from tests.conftest import SHARED_DATA
+from tests.test_runtime import NOBODY, eventually, loops_backed_by, mounted_anywhere, processes_with
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = Path(os.environ.get("IMAGE_BUILDER_SHARED_DATA", ROOT.parent / "shared" / "data"))
 EVAL = Path(__file__).parent / "support" / "inspect_eval.py"
 INSTANCE = "marshmallow-code__marshmallow-1359"
 
@@ -47,7 +47,7 @@ def _run(user: int | None, home: Path, script: Path, *args: str) -> dict:
 
 
 def _row() -> dict:
-    rows = [json.loads(line) for line in (DATA / "swebench_marshmallow.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (SHARED_DATA / "swebench_marshmallow.jsonl").read_text().splitlines()]
     return next(r for r in rows if r["instance_id"] == INSTANCE)
 
 
@@ -57,12 +57,14 @@ def test_an_inspect_eval_runs_its_agent_and_scorer_in_the_store(public_store, pu
     home = _home(public_dir, user, {"sandbox.yaml": f"store: {public_store}\nnetwork: false\nmemory_mb: 2048\n",
                                     "fix.patch": row["patch"] if patch == "gold" else "",
                                     "test.patch": row["test_patch"]})
+    loops_before = loops_backed_by(public_store)  # other tests' lingering holders may hold some
     got = _run(user, home, EVAL, str(home / "sandbox.yaml"), INSTANCE, str(home / "fix.patch"),
                str(home / "test.patch"), row["FAIL_TO_PASS"],  # SWE-bench's rows hold the list as JSON text
                str(home / "logs"))
     assert got["tool_errors"] == [], got
-    pwd, applied, started, queried, created, replaced, viewed = got["tools"]
+    pwd, applied, started, queried, created, replaced, viewed, typed, echoed = got["tools"]
     assert "2nd line" in viewed and "first line" in viewed, (created, replaced, viewed)
+    assert "mark=kept in /testbed/src on /dev/pts/" in echoed, (typed, echoed)  # the session's shell kept its state
     assert pwd.splitlines()[0] == "/testbed" and pwd.splitlines()[1].strip() == "0", pwd
     assert started.strip() == "started"
     assert queried.strip() == "200", "the server started by an earlier tool call still answers"
@@ -70,8 +72,10 @@ def test_an_inspect_eval_runs_its_agent_and_scorer_in_the_store(public_store, pu
         assert applied.strip() == "applied" and got["score"] == "C", got["explanation"]
     else:
         assert "applied" not in applied and got["score"] == "I", got
-    # sample_cleanup closed the sandbox: its init, the server and the holder are gone
+    # sample_cleanup closed the sandbox: its init, the server and the holder are gone, nothing is mounted
     assert eventually(lambda: not processes_with(str(home / "run")) and not processes_with("http.server 8431"), 20)
+    assert eventually(lambda: not mounted_anywhere(home / "run"), 20), mounted_anywhere(home / "run")
+    assert eventually(lambda: loops_backed_by(public_store) <= loops_before, 20), "a loop device of the eval's is left"
 
 
 IMPOSSIBLE = Path(__file__).parent / "support" / "inspect_impossible.py"
@@ -85,7 +89,7 @@ def test_impossiblebench_agent_flow_scores_by_test_access(public_store, public_d
     from tests.test_agent_access import HACK
 
     home = _home(public_dir, user, {
-        "tasks.jsonl": (DATA / "swebench_marshmallow.jsonl").read_text(),
+        "tasks.jsonl": (SHARED_DATA / "swebench_marshmallow.jsonl").read_text(),
         "sandbox.yaml": f"store: {public_store}\ndataset: tasks.jsonl\naccess: {access}\nmax_scores: 3\n",
         "gold.patch": _row()["patch"], "hack.py": HACK})
     got = _run(user, home, IMPOSSIBLE, str(home / "sandbox.yaml"), f"{INSTANCE}__conflicting",

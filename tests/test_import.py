@@ -7,6 +7,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -218,3 +219,99 @@ def test_shards_split_as_one_import_and_merge_into_the_same_index(imported, regi
     assert len(merged.environments) == 1 and len(list((sharded / "envs").glob("*.sif"))) == 1, "packed once"
     for iid, rec in one.instances.items():
         assert listing(sharded, merged.instances[iid].sqfs) == listing(tmp_path / "store", rec.sqfs), iid
+
+
+# --- images made with the real tools (umoci, skopeo) from the repositories' bundles ------------------
+
+LIST_TREE = r"""
+import hashlib, json, os, stat, sys
+root = sys.argv[1]
+# Inside the runtime: its mount points (/proc, /dev, /etc/hosts, ...) are neither tree's.
+mounts = {line.split()[4] for line in open("/proc/self/mountinfo")} - {"/"} if root == "/" else set()
+out = {}
+for d, dirs, files in os.walk(root):
+    for name in list(dirs) + files:
+        p = os.path.join(d, name)
+        rel = os.path.relpath(p, root)
+        if p in mounts:
+            out[rel] = None
+            if name in dirs:
+                dirs.remove(name)
+            continue
+        st = os.lstat(p)
+        what = (os.readlink(p) if stat.S_ISLNK(st.st_mode) else
+                hashlib.sha256(open(p, "rb").read()).hexdigest() if stat.S_ISREG(st.st_mode) else None)
+        size = st.st_size if stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode) else None
+        out[rel] = [stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, size, what]
+json.dump(out, sys.stdout)
+"""
+UMOCI_INSTANCES = (  # (instance id, repository, what the image does beyond the clone)
+    ("pytest-dev__pytest-5103", "pytest", {"delete": ("etc/issue.net", "usr/share/doc/git")}),
+    ("pytest-dev__pytest-7373", "pytest", {"user": "nobody", "extra": (
+        ("testbed/setup.py", "owner=1000:1000"), ("testbed/tox.ini", "mode=600"),
+        ("testbed/link-to-setup", "symlink=setup.py"), ("testbed/setup-again.py", "hardlink=testbed/setup.py"))}),
+    ("pylint-dev__pylint-7080", "pylint", {"opaque": "etc/apt/apt.conf.d"}),
+)
+
+
+def test_images_made_with_umoci_import_to_trees_equal_to_their_flattened_images(registries, tmp_path):
+    """SWE-bench's shape made by umoci (a Debian base layer; a venv layer; per instance a clone at
+    the instance's commit, with whiteouts, an opaque directory, owners, modes and links), pushed by
+    skopeo, imported: one environment, and each instance's tree in the runtime the image's own."""
+    from tests.conftest import SHARED_DATA, TEST_CACHE, debian_rootfs
+    from tests.support.umoci_images import InstanceImage, make_layout, push
+    rows = [json.loads(line) for line in (SHARED_DATA / "swebench_dev.jsonl").read_text().splitlines()]
+    commits = {rec["instance_id"]: rec["base_commit"] for rec in rows}
+    images = [InstanceImage(iid.replace("__", "_1776_"), SHARED_DATA / "repos" / f"{repo}.bundle", commits[iid], **how)
+              for iid, repo, how in UMOCI_INSTANCES]
+    layout = make_layout(TEST_CACHE / "umoci-swebench", debian_rootfs("bookworm", TEST_CACHE), images)
+    certs = tmp_path / "certs"
+    certs.mkdir()
+    shutil.copy(registries.tls.cert, certs / "ca.crt")
+    host = registries.open.host
+    refs = []
+    for image in images:
+        refs.append(f"{host}/swebench/sweb.eval.x86_64.{image.tag}:latest")
+        push(layout, image.tag, refs[-1], certs)
+    store, cache = tmp_path / "store", tmp_path / "cache"
+    r = run_cli("import", *refs, "--store", str(store), "--cache-dir", str(cache), "--ca-cert",
+                str(registries.tls.cert), "--id-from", f"{host}/swebench/sweb.eval.x86_64.{{instance_id}}:latest")
+    assert r.returncode == 0, r.stderr
+    assert "3 images, 1 environments" in r.stdout, r.stdout
+    assert "1 images set a User (pytest-dev__pytest-7373 (nobody)): recorded in the index, not applied" in r.stdout
+    opened = Store.open(store)
+    assert sorted(opened.index.instances) == sorted(iid for iid, _, _ in UMOCI_INSTANCES), "the dataset's ids"
+    for (iid, _, how), ref in zip(UMOCI_INSTANCES, refs):
+        flat = tmp_path / f"flat-{iid}"
+        p = run_cli("pull", ref, "--rootfs", str(flat), "--cache-dir", str(cache), "--ca-cert",
+                    str(registries.tls.cert))
+        assert p.returncode == 0, p.stderr
+        want = json.loads(subprocess.run([sys.executable, "-c", LIST_TREE, str(flat)], capture_output=True,
+                                         check=True).stdout)
+        resolved = opened.resolve(iid)
+        assert resolved.user == how.get("user", ""), "the image's User is in the index"
+        layers = InstanceLayers(resolved.env_sif, resolved.overlays, resolved.env, resolved.workdir,
+                                resolved.digests)
+        with open_session(layers, state_dir=tmp_path / "state") as session:
+            # Debian's python, -B: the listing must not write. The venv's python would import its
+            # _distutils_hack at start, and rewrite its .pyc when the image's is stale (umoci, as Go's
+            # archive/tar, rounds mtimes to the nearest second: half the time, a .py is a second newer).
+            out = session.run(RunRequest(("/usr/bin/python3", "-B", "-c", LIST_TREE, "/"), timeout=300,
+                                         max_output=256 << 20))
+        assert out.exit_code == 0, out.stderr.decode()[-2000:]
+        got = json.loads(out.stdout)
+        mounted = {k for k, v in got.items() if v is None}
+        got = {k: v for k, v in got.items() if k not in mounted and not k.startswith(".singularity.d")}
+        want = {k: v for k, v in want.items() if k not in mounted and not k.split("/")[0] in mounted}
+        # Every owner is root in the store: the sandbox's user namespace maps root only, and a file
+        # of an unmapped owner could not be written there. The image's own owner is seen here first.
+        if "extra" in how:
+            assert want["testbed/setup.py"][2:4] == [1000, 1000]
+        want = {k: v[:2] + [0, 0] + v[4:] for k, v in want.items()}
+        assert got == want, sorted(set(got) ^ set(want))[:5] or [(k, got[k], want[k]) for k in got
+                                                                    if got[k] != want[k]][:5]
+        assert "testbed/.git/HEAD" in got and len(got) > 10_000
+    removed, opaque = UMOCI_INSTANCES[0][0], UMOCI_INSTANCES[2][0]
+    assert "etc/issue.net" not in json.loads(subprocess.run(
+        [sys.executable, "-c", LIST_TREE, str(tmp_path / f"flat-{removed}")], capture_output=True).stdout)
+    assert sorted(p.name for p in (tmp_path / f"flat-{opaque}/etc/apt/apt.conf.d").iterdir()) == ["only-this"]

@@ -190,6 +190,23 @@ def test_corrupt_layer_is_a_layer_error(box: Box, damage: str):
         flatten([bad], box.root)
 
 
+@pytest.mark.parametrize("cut, accepted", [(0, True), (10, False), (-5, False)])
+def test_a_layer_ending_right_after_its_last_file_s_data_is_read_as_go_reads_it(box: Box, cut: int, accepted: bool):
+    """umoci 0.4.7's `insert` writes no padding after the last file and no end blocks; Go's
+    archive/tar (Docker, containerd, umoci itself) reads such a layer whole. Cut anywhere
+    else (in the padding, in the data) it is still a corrupt layer."""
+    raw = tar_bytes(reg("d/first", b"1" * 600), reg("d/last", b"the last file, 31 bytes long..\n"))
+    end = 512 + 1024 + 512 + 31  # header, data padded, header, data: what umoci writes
+    bad = box.layer_dir / "unpadded"
+    bad.write_bytes(gzip.compress(raw[:end + cut]))
+    if accepted:
+        assert flatten([bad], box.root).entries == 2
+        assert (box.root / "d/last").read_bytes() == b"the last file, 31 bytes long..\n"
+    else:
+        with pytest.raises(LayerError, match="unreadable tar stream"):
+            flatten([bad], box.root)
+
+
 def test_root_is_created(tmp_path: Path):
     box = Box(tmp_path)
     layer = box.layer(reg("f", b"1"))

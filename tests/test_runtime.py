@@ -241,6 +241,27 @@ def py(code: str) -> list[str]:
     return ["python3", "-c", code]
 
 
+def mounted_anywhere(path: Path) -> list[str]:
+    """Mounts at or below `path` (a state dir: a holder mounts there) in any process's mount namespace."""
+    found = set()
+    for pid in os.listdir("/proc"):
+        try:
+            if pid.isdigit():
+                found.update(line for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
+                             if f" {path}/" in line or f" {path} " in line)
+        except OSError:
+            pass
+    return sorted(found)
+
+
+def loops_backed_by(path: Path) -> set[str]:
+    """Loop devices whose backing file is below `path` (a store)."""
+    out = subprocess.run(["losetup", "--list", "--noheadings", "--output", "NAME,BACK-FILE"], capture_output=True,
+                         text=True).stdout
+    path = Path(path).resolve()  # losetup shows the file's real path
+    return {line for line in out.splitlines() if f" {path}/" in f" {line.split(maxsplit=1)[-1]}"}
+
+
 def processes_with(text: str) -> list[int]:
     """Processes whose command line contains `text` (words as given on the command line)."""
     needle = text.encode().replace(b" ", b"\0")

@@ -301,6 +301,22 @@ def test_a_file_on_stdin_is_a_regular_file_the_run_cannot_write_back(mbpp_store,
     assert given.read_text() == "12345"
 
 
+@pytest.mark.parametrize("owner, mode", [(NOBODY, 0o1777), (0, 0o777)])  # sticky does not stop an owner
+def test_a_state_dir_inside_a_directory_others_can_rename_it_in_is_refused(mbpp_store, owner, mode):
+    """XDG_RUNTIME_DIR set to a directory another user owns, or one anyone may write
+    that is not sticky: they could swap our private dir for theirs after it is checked."""
+    parent = private_dir(owner)
+    parent.chmod(mode)
+    try:
+        r = cli("run", "--store", str(mbpp_store), "512", "--", "true", user=OTHER, xdg=parent, text=True)
+        lines = r.stderr.splitlines()
+        assert r.returncode == 1 and len(lines) == 1, r.stderr
+        assert str(parent) in lines[0] and "XDG_RUNTIME_DIR" in lines[0], lines
+        assert not (parent / "image_builder").exists(), "nothing was made in it"
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
+
+
 def test_a_state_dir_of_ours_that_others_can_only_read_is_narrowed_to_700(tmp_path):
     from image_builder.runtime.backends import private_state_dir
     from image_builder.runtime.mounts import RunnerError

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_runtime import NOBODY, _env_sif, _images, eventually, processes_with
+from tests.test_runtime import NOBODY, _env_sif, _images, eventually, loops_backed_by, processes_with
 
 DRIVER = Path(__file__).parent / "support" / "sandbox_driver.py"
 
@@ -159,3 +159,42 @@ def test_the_sandbox_is_bounded_as_a_whole(images, backend, state_dir):
     assert out(got[0]) != b"0\n", "80 MB fit in a 32 MB writable layer"
     assert out(got[1]) == b"spawned\n"
     assert base64.b64decode(got[2]["ok"]["stderr"]), "30 more processes started beside the first 12"
+
+
+def test_a_layer_on_disk_is_capped_as_root_and_goes_with_the_sandbox(images, backend, state_dir):
+    """layer_dir: the writable layer on a node-local disk instead of in memory. Root: an ext4
+    of disk_mb on a loop device (a write past it gets ENOSPC), its file unlinked at once;
+    rootless: a directory there, uncapped. Nothing of it is left after close."""
+    layer_dir = Path(tempfile.mkdtemp(prefix="ib-layers-", dir="/var/tmp"))
+    if backend == "userns":
+        os.chown(layer_dir, NOBODY, NOBODY)
+    try:
+        got = scenario(images, backend, state_dir, [
+            sh("head -c 48M /dev/zero > /tmp/big; echo $?; stat -f -c %b,%S /"),
+            ["host_files", {"path": str(layer_dir)}],
+            sh("cat /tmp/big | wc -c"),
+        ], **({"disk_mb": 32} if backend == "kernel" else {}), layer_dir=str(layer_dir))
+        status, fs = out(got[0]).decode().split()
+        on_disk = got[1]["ok"]
+        if backend == "kernel":
+            blocks, size = map(int, fs.split(","))
+            assert status != "0" and blocks * size <= 32 << 20, "the layer is a 32 MB file system"
+            assert on_disk == {}, "its file is unlinked once mounted"
+            assert int(out(got[2])) < 32 << 20
+        else:
+            assert status == "0" and int(out(got[2])) == 48 << 20
+            [(name, size)] = [(n, s) for n, s in on_disk.items() if n.endswith("/upper/tmp/big")]
+            assert size == 48 << 20, "the layer is on the disk, not in memory"
+        assert eventually(lambda: not list(layer_dir.iterdir()) and not loops_backed_by(layer_dir), 10), \
+            "nothing of the layer is left once the sandbox's init ends"
+    finally:
+        shutil.rmtree(layer_dir, ignore_errors=True)
+
+
+def test_a_capped_layer_on_disk_rootless_is_refused_in_one_line(images, tmp_path):
+    from image_builder.runtime.mounts import RunnerError
+    from image_builder.runtime.sandbox import Sandbox
+    from image_builder.runtime.session import Backend, InstanceLayers
+    layers = InstanceLayers(images.env_sif, (images.inst_sqfs,), {}, "/testbed")
+    with pytest.raises(RunnerError, match="needs the kernel backend .root: a loop device"):
+        Sandbox(layers, backend=Backend.USERNS, disk_mb=32, layer_dir=tmp_path)

@@ -9,7 +9,6 @@ differs from its environment. About 3 minutes of building and 2 of grading.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 from pathlib import Path
@@ -20,10 +19,9 @@ from image_builder.build.storebuild import StoreBuildOptions, build_store
 from image_builder.oci.cache import BlobCache
 from image_builder.oci.registry import RegistryOptions
 from image_builder.store.store import Store
-from tests.conftest import ROOT, run_cli
+from tests.conftest import SHARED_DATA, run_cli
 from tests.test_grading import grade, results
 
-SHARED = Path(os.environ.get("IMAGE_BUILDER_SHARED_DATA", ROOT.parent / "shared/data"))
 
 
 def overlay_files(image: Path) -> dict[str, int]:
@@ -38,10 +36,10 @@ def overlay_files(image: Path) -> dict[str, int]:
 
 
 def test_dev_instances_build_thin_and_gold_resolves(tmp_path, registries, debian_bullseye_base):
-    assert (SHARED / "swebench_dev.jsonl").is_file(), f"{SHARED}: the shared sample data (set IMAGE_BUILDER_SHARED_DATA)"
-    rows = [json.loads(line) for line in (SHARED / "swebench_dev.jsonl").read_text().splitlines()]
-    dataset = SHARED / "swebench_dev.jsonl"
-    r = run_cli("swebench", "catalog", str(dataset), "--repos", str(SHARED / "repos"), "-o",
+    assert (SHARED_DATA / "swebench_dev.jsonl").is_file(), f"{SHARED_DATA}: the shared sample data (set IMAGE_BUILDER_SHARED_DATA)"
+    rows = [json.loads(line) for line in (SHARED_DATA / "swebench_dev.jsonl").read_text().splitlines()]
+    dataset = SHARED_DATA / "swebench_dev.jsonl"
+    r = run_cli("swebench", "catalog", str(dataset), "--repos", str(SHARED_DATA / "repos"), "-o",
                 str(tmp_path / "swe/dev.yaml"), "--python", f"3.9={debian_bullseye_base}", "--python-default", "",
                 "--exclude-tags", "ib/*")  # the bundles tag the commits they hold as ib/cN: not upstream tags
     assert r.returncode == 0 and "13 repository environments, 23 instances (0 left out)" in r.stdout, r.stderr

@@ -1,4 +1,4 @@
-"""The Inspect AI sandbox provider "image_builder": Inspect's tools (bash(), python(), text_editor(),
+"""The Inspect AI sandbox provider "image_builder": Inspect's tools (bash(), python(), text_editor(), bash_session(),
 a scorer's sandbox().exec) run in a store's instance, without Docker.
 
     Task(dataset=..., solver=..., sandbox=("image_builder", "sandbox.yaml"))
@@ -12,7 +12,8 @@ sandbox.yaml (or an ImageBuilderConfig):
     max_scores: 10                         # submissions scored per sample
     network: false
     memory_mb: 4096        # for the sandbox as a whole
-    disk_mb: 2048          # its writable layer (a tmpfs)
+    disk_mb: 2048          # its writable layer (a tmpfs; with layer_dir, a file system there)
+    layer_dir: /local/scratch   # the writable layer on node-local disk, not in memory
     max_processes: 1024
 
 Registered through the `inspect_ai` entry point (pyproject.toml), so installing
@@ -61,6 +62,7 @@ class ImageBuilderConfig(BaseModel, frozen=True):
     network: bool = False
     memory_mb: int | None = None
     disk_mb: int | None = None
+    layer_dir: str | None = None
     max_processes: int | None = None
 
 
@@ -76,7 +78,7 @@ def _config(config: SandboxEnvironmentConfigType | None) -> ImageBuilderConfig:
         if not isinstance(doc, dict):
             raise ValueError(f"{path}: an image_builder sandbox config is a mapping (store:, instance:, ...)")
         base = path.resolve().parent
-        for key in ("store", "dataset"):  # relative to the config file
+        for key in ("store", "dataset", "layer_dir"):  # relative to the config file
             if doc.get(key) is not None:
                 doc[key] = str(base / doc[key])
         return ImageBuilderConfig(**doc)
@@ -107,7 +109,8 @@ class ImageBuilderSandboxEnvironment(SandboxEnvironment):
                              "sample's metadata['instance_id']")
         box = await anyio.to_thread.run_sync(lambda: open_sandbox(
             conf.store, instance, task=task, access=conf.access, max_scores=conf.max_scores, network=conf.network,
-            memory_mb=conf.memory_mb, disk_mb=conf.disk_mb, max_processes=conf.max_processes))
+            memory_mb=conf.memory_mb, disk_mb=conf.disk_mb, max_processes=conf.max_processes,
+            layer_dir=Path(conf.layer_dir) if conf.layer_dir else None))
         return {"default": cls(box)}
 
     @classmethod

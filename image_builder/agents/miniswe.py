@@ -20,6 +20,7 @@ its own Docker and Singularity classes, so name the instance in the config.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
@@ -39,13 +40,15 @@ class ImageBuilderEnvironmentConfig(BaseModel):
     network: bool = False
     memory_mb: int | None = None
     disk_mb: int | None = None
+    layer_dir: str | None = None
 
 
 class ImageBuilderEnvironment:
     def __init__(self, *, config_class: type = ImageBuilderEnvironmentConfig, **kwargs):
         self.config = config_class(**kwargs)
         self.box = open_sandbox(self.config.store, self.config.instance, network=self.config.network,
-                                memory_mb=self.config.memory_mb, disk_mb=self.config.disk_mb)
+                                memory_mb=self.config.memory_mb, disk_mb=self.config.disk_mb,
+                                layer_dir=Path(self.config.layer_dir) if self.config.layer_dir else None)
 
     def execute(self, action: dict | str, cwd: str = "", *, timeout: int | None = None) -> dict[str, Any]:
         command = action.get("command", "") if isinstance(action, dict) else action

@@ -193,7 +193,7 @@ def open_sandbox(store: Store | Path | str, instance_id: str | None = None, *, t
                  access: TestAccess | str = TestAccess.OPEN, max_scores: int | None = None,
                  backend: Backend | None = None, state_dir: Path | None = None, binds: tuple[Bind, ...] = (),
                  network: bool = False, memory_mb: int | None = None, max_processes: int | None = None,
-                 disk_mb: int | None = None, idle: float = DEFAULT_IDLE) -> AgentSandbox:
+                 disk_mb: int | None = None, idle: float = DEFAULT_IDLE, layer_dir: Path | None = None) -> AgentSandbox:
     """An AgentSandbox on `instance_id` of `store` (default: the task's instance), started
     as `access` has it for `task` (module docstring). runtime.sandbox.Sandbox says what
     each limit bounds; they hold for the sandbox as a whole."""
@@ -205,4 +205,4 @@ def open_sandbox(store: Store | Path | str, instance_id: str | None = None, *, t
     options = {} if max_processes is None else {"max_processes": max_processes}
     return AgentSandbox(store, store.resolve(instance_id), task, TestAccess(access), max_scores, backend=backend,
                         state_dir=state_dir, binds=binds, network=network, memory_mb=memory_mb, disk_mb=disk_mb,
-                        idle=idle, **options)
+                        idle=idle, layer_dir=layer_dir, **options)

@@ -74,6 +74,7 @@ class ImportSummary:
     image_bytes: int = 0  # the images' layer blobs, as pulled
     fetched_bytes: int = 0  # of those, what this import downloaded (the rest was in the cache)
     store_bytes: int = 0  # what the import's environments and overlays weigh
+    users: dict[str, str] = field(default_factory=dict)  # instance id -> its image's User, where not root
     seconds: float = 0.0
     index: Path | None = None
 
@@ -219,6 +220,8 @@ def import_images(items: list[ImportItem], opts: ImportOptions) -> ImportSummary
         finally:
             remove_tree(work)
     summary.store_bytes = sum(e.size for e in envs.values()) + sum(i.size for i in insts.values())
+    summary.users = {iid: rec.user for iid, rec in sorted(insts.items())
+                     if rec.user and rec.user.split(":")[0] not in ("root", "0")}
     summary.index = _merge_index(store, envs, insts, opts.shard)
     summary.seconds = time.monotonic() - t0
     return summary
@@ -258,7 +261,8 @@ def _instance_record(iid: str, item: ImportItem, img: PulledImage, env_name: str
     workdir = item.workdir or config.get("WorkingDir") or "/"
     return InstanceRecord(iid, env_name, paths.relative(build.sqfs) if build.sqfs else None, build.sha256,
                           build.size, build.build_key, workdir, None,
-                          {"image": img.reference, "image_digest": img.digest}, CATALOG, own_env, command)
+                          {"image": img.reference, "image_digest": img.digest}, CATALOG, own_env, command,
+                          config.get("User") or "")
 
 
 def _pack_instance(paths: StorePaths, iid: str, img: PulledImage, n: int, lower: Path, work: Path,

@@ -118,6 +118,19 @@ def _components(name: str) -> list[str]:
     return [p for p in name.split("/") if p and p != "."]
 
 
+def _next_member(tar: tarfile.TarFile, last: tarfile.TarInfo | None) -> tarfile.TarInfo | None:
+    """The next member, or None at the end; as Go's archive/tar (Docker, containerd, podman,
+    umoci, skopeo read layers with it), a stream that ends right after the last member's data,
+    without its padding or the end-of-archive blocks, ends there: umoci 0.4.7's `insert`
+    writes layers so. A stream cut inside the data or the padding is still an error."""
+    try:
+        return tar.next()
+    except tarfile.ReadError:
+        if last is not None and tar.fileobj.pos == last.offset_data + last.size:
+            return None
+        raise
+
+
 class _Tree:
     """The root being built, addressed by canonical paths.
 
@@ -169,7 +182,8 @@ class _Tree:
         stream = open_layer(layer)
         try:
             with stream, tarfile.open(fileobj=stream, mode="r|") as tar:
-                while (member := tar.next()) is not None:
+                member = None
+                while (member := _next_member(tar, member)) is not None:
                     entry = member.name
                     # tarfile keeps every member for random access, which a stream never needs.
                     tar.members.clear()

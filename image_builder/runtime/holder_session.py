@@ -369,15 +369,17 @@ class HolderSession(Session):
         return build_result(got, request, wall, reply["exit_code"], reply["signal"], reply["timed_out"],
                        reply["peak_memory_kb"], reply["out_of_memory"])
 
-    def kept_init(self, network: bool, idle: float) -> socket.socket:
+    def kept_init(self, network: bool, idle: float, layer: tuple[Path, int] | None = None) -> socket.socket:
         """The control socket of a new init whose root is kept from job to job (a
-        sandbox's: runtime/sandbox.py), idle `idle` seconds at most."""
+        sandbox's: runtime/sandbox.py), idle `idle` seconds at most; `layer`: its
+        writable layer on disk (directory, MB: holder._disk_layer), else a tmpfs."""
         with self._lock:
             if self._conn is None:
                 raise RunnerError("the session is closed; open a new one")
             while self._asked[False] or self._asked[True]:  # answers come in order: take those first
                 self._receive(block=True)
-            send_fds(self._conn, {"op": "init", "network": network, "keep": float(idle)})
+            send_fds(self._conn, {"op": "init", "network": network, "keep": float(idle),
+                                  "layer": None if layer is None else (str(layer[0]), int(layer[1]))})
             reply, fds = recv_fds(self._conn, 1)
         if reply is None:
             raise RunnerError("the mount holder is gone (killed?); open a new sandbox")

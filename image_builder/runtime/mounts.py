@@ -147,17 +147,20 @@ def _loop_attach(fd: int, backing: int, info: bytes) -> None:
         fcntl.ioctl(fd, _LOOP_SET_STATUS64, info)
 
 
-def loop_mount(image: str, offset: int, size: int, target: str) -> None:
-    """Mount the squashfs at `offset` of `image` read-only through a loop device (root).
-    AUTOCLEAR frees the device when the mount goes (or at once, if mounting fails)."""
-    info = _LOOP_INFO64.pack(0, 0, 0, offset, size, 0, 0, 0, _LO_FLAGS_READ_ONLY | _LO_FLAGS_AUTOCLEAR,
+def loop_mount(image: str, offset: int, size: int, target: str, *, fstype: str = "squashfs",
+               writable: bool = False) -> None:
+    """Mount the file system at `offset` of `image` through a loop device (root):
+    read-only (a squashfs layer) unless `writable` (a sandbox's ext4 layer). AUTOCLEAR
+    frees the device when the mount goes (or at once, if mounting fails)."""
+    info = _LOOP_INFO64.pack(0, 0, 0, offset, size, 0, 0, 0,
+                             (0 if writable else _LO_FLAGS_READ_ONLY) | _LO_FLAGS_AUTOCLEAR,
                              os.fsencode(image)[-63:], b"", b"", 0, 0)
-    with open(image, "rb") as backing:  # opened read-only: the loop device is read-only
+    with open(image, "r+b" if writable else "rb") as backing:  # the loop device is as writable as this
         ctl = os.open("/dev/loop-control", os.O_RDWR | os.O_CLOEXEC)
         try:
             for _ in range(16):
                 dev = f"/dev/loop{fcntl.ioctl(ctl, _LOOP_CTL_GET_FREE)}"
-                fd = os.open(dev, os.O_RDONLY | os.O_CLOEXEC)
+                fd = os.open(dev, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
                 try:
                     try:
                         _loop_attach(fd, backing.fileno(), info)
@@ -165,7 +168,7 @@ def loop_mount(image: str, offset: int, size: int, target: str) -> None:
                         if e.errno == errno.EBUSY:  # taken by another process meanwhile
                             continue
                         raise
-                    mount(dev, target, "squashfs", MS_RDONLY | MS_NOSUID | MS_NODEV)
+                    mount(dev, target, fstype, (0 if writable else MS_RDONLY) | MS_NOSUID | MS_NODEV)
                     return
                 finally:
                     os.close(fd)

@@ -12,8 +12,11 @@ installed packages and background processes stay until close(). Every exec is it
 process group; its timeout kills that group, not what earlier execs left running. The
 limits hold for the sandbox as a whole: memory (its cgroup where one is delegated,
 else each exec's RLIMIT_AS), processes (RLIMIT_NPROC counts the sandbox's user
-namespace), and the writable layer, a tmpfs sized by `disk_mb` (memory, never the
-store's file system). Commands run as root of the sandbox's user namespace, which maps
+namespace), and the writable layer: a tmpfs sized by `disk_mb` (memory, never the
+store's file system), or with `layer_dir` (a node-local disk) a file system of its own
+there: an ext4 of `disk_mb` on a loop device (kernel backend; ENOSPC past it), or a
+directory, uncapped (rootless: a loop device needs root). Either goes when the
+sandbox does. Commands run as root of the sandbox's user namespace, which maps
 no other user. Execs are taken one at a time (the init runs one job at a time).
 
 When the holder or the init dies, the next call raises SandboxUnavailable instead
@@ -43,6 +46,8 @@ from .session import (Backend, InstanceLayers, OutputCapped, Session, build_job,
 DEFAULT_IDLE = 3600.0  # seconds a sandbox waits for its next command before it ends
 FILE_LIMIT = 100 << 20  # bytes read_file and download return at most (Inspect's read_file limit)
 _REPORT_GRACE = 5.0  # seconds past an exec's timeout its answer may take (the kill, the reaping)
+LAYER_DIR_ENV = "IMAGE_BUILDER_LAYER_DIR"  # the default layer_dir: a node-local disk
+DEFAULT_DISK_LAYER_MB = 10240  # a layer on disk without disk_mb: sparse, so only what is written is used
 ROOT_USERS = (None, "root", "0")  # the users a sandbox runs commands as: root of its user namespace
 _HELPER_TIMEOUT = 600.0  # seconds for a file helper: a fifo planted where a file was expected must not hang us
 
@@ -63,11 +68,21 @@ class Sandbox:
     def __init__(self, layers: InstanceLayers, *, backend: Backend | None = None, state_dir: Path | None = None,
                  binds: tuple[Bind, ...] = (), network: bool = False, memory_mb: int | None = None,
                  max_processes: int = DEFAULT_MAX_PROCESSES, disk_mb: int | None = None,
-                 idle: float = DEFAULT_IDLE, unpack_dir: Path | None = None):
+                 idle: float = DEFAULT_IDLE, unpack_dir: Path | None = None, layer_dir: Path | None = None):
         from .backends import checked_state_dir
         from .holder_session import HolderSession
 
         backend = _sandbox_backend(backend)
+        layer_dir = layer_dir or os.environ.get(LAYER_DIR_ENV) or None
+        layer = None
+        if layer_dir:
+            layer_dir = Path(layer_dir).resolve()
+            if backend is Backend.USERNS and disk_mb:
+                raise RunnerError(f"--disk with a layer on disk ({layer_dir}) needs the kernel backend (root: a "
+                                  "loop device); rootless, drop --disk (the layer is uncapped there) or the layer "
+                                  f"dir (a tmpfs of --disk MB; unset {LAYER_DIR_ENV})")
+            layer = (layer_dir, disk_mb or DEFAULT_DISK_LAYER_MB)
+            disk_mb = None  # the tmpfs then holds only mount points and /dev/shm: the run's memory bounds them
         self._limits(layers, backend, network, memory_mb, max_processes)
         self._lease: socket.socket | None = None
         self._ctl: socket.socket | None = None
@@ -77,7 +92,7 @@ class Sandbox:
         self._session: HolderSession | None = HolderSession(layers, backend, state_dir, tuple(binds), max_processes,
                                                             0.0, disk_mb, unpack_dir, first_init=False)
         try:
-            self._ctl = self._session.kept_init(network, idle)
+            self._ctl = self._session.kept_init(network, idle, layer)
             first = self.exec(["true"])  # builds the root: its errors surface here, not at the agent's first call
         except BaseException:
             self.close()

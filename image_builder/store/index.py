@@ -81,6 +81,10 @@ class InstanceRecord:
     catalog: str = ""  # as EnvRecord.catalog
     env: dict[str, str] = field(default_factory=dict)  # over the environment's (an imported image's own Env)
     command: list[str] = field(default_factory=list)  # an imported image's Entrypoint + Cmd
+    # An imported image's User, as its config gives it: recorded for harnesses that pass it
+    # on. Commands run as root of the sandbox, and every file is root's (its user namespace
+    # maps root only), so it is not applied.
+    user: str = ""
 
 
 @dataclass(frozen=True)
@@ -115,7 +119,7 @@ _ENV_TYPES = {"name": str, "sif": str, "sha256": str, "size": int, "base": str, 
 _LAYER_TYPES = {"file": str, "sha256": str, "size": int}
 _INST_TYPES = {"id": str, "environment": str, "sqfs": (str, type(None)), "sha256": (str, type(None)), "size": int,
                "build_key": str, "workdir": str, "test_command": (str, type(None)), "grader": dict, "catalog": str,
-               "env": dict, "command": list}
+               "env": dict, "command": list, "user": str}
 
 
 def _record(cls, types: dict, doc: object, where: str):
@@ -180,6 +184,7 @@ def _checked_instance(rec: InstanceRecord, key: str, where: str) -> InstanceReco
     _check(rec.size >= 0, f"{where}.size", "is negative")
     _no_nul(rec.workdir, f"{where}.workdir")
     _no_nul(rec.test_command, f"{where}.test_command")
+    _no_nul(rec.user, f"{where}.user")
     _check_env(rec.env, f"{where}.env")
     _check(all(isinstance(a, str) and "\0" not in a for a in rec.command), f"{where}.command",
            "must be a list of strings without NUL")

@@ -123,6 +123,7 @@ class ResolvedInstance:
     grader: dict
     digests: tuple[str, ...] = ()  # sha256 of env_sif, then of each overlay, as the index records them
     command: tuple[str, ...] = ()  # the default command (an imported image's), run when none is given
+    user: str = ""  # an imported image's User (InstanceRecord.user)
 
     @property
     def layers(self) -> tuple[Path, ...]:
@@ -173,7 +174,7 @@ class Store:
         digests = (*env.digests, *((inst.sha256,) if inst.sqfs else ()))
         return ResolvedInstance(inst.id, inst.environment, self.root / files[0], tuple(self.root / f for f in files[1:]),
                                 {**env.env, **inst.env}, inst.workdir, inst.test_command, inst.grader, digests,
-                                tuple(inst.command))
+                                tuple(inst.command), inst.user)
 
 
 @dataclass

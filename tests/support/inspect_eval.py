@@ -5,7 +5,8 @@ so a test can run it as another user.
     python inspect_eval.py CONFIG.yaml INSTANCE_ID PATCH_FILE TEST_PATCH_FILE TESTS_JSON LOG_DIR
 
 The agent looks around, applies PATCH_FILE with git, starts a server in the background
-and queries it in a later call, then stops. The scorer writes TEST_PATCH_FILE into the
+and queries it in a later call, edits a file with text_editor, changes directory and
+environment in a bash_session and finds them in the next call, then stops. The scorer writes TEST_PATCH_FILE into the
 sandbox, applies it and runs the tests (a JSON list of pytest ids) there, as SWE-bench
 scores. Prints a JSON summary: the score, each tool output, and
 what the sandbox said was left running.
@@ -22,7 +23,7 @@ from inspect_ai.dataset import Sample
 from inspect_ai.model import ChatMessageTool, ModelOutput, ModelUsage, get_model
 from inspect_ai.scorer import CORRECT, INCORRECT, Score, Target, accuracy, scorer
 from inspect_ai.solver import TaskState, generate, use_tools
-from inspect_ai.tool import bash, text_editor
+from inspect_ai.tool import bash, bash_session, text_editor
 from inspect_ai.util import sandbox
 
 SERVER = "python3 -m http.server 8431 --bind 127.0.0.1 >/tmp/server.log 2>&1 & echo started"
@@ -49,6 +50,10 @@ def main() -> int:
              {"command": "str_replace", "path": "/testbed/NOTES.md", "old_str": "second", "new_str": "2nd"},
              {"command": "view", "path": "/testbed/NOTES.md"}]
     outputs += [_usage(ModelOutput.for_tool_call("mockllm/model", "text_editor", e)) for e in edits]
+    # bash_session(): one shell on a terminal (the same tool-support server), kept from call to call.
+    typed = [{"action": "type_submit", "input": "cd /testbed/src && export IB_MARK=kept"},
+             {"action": "type_submit", "input": "echo mark=$IB_MARK in $(pwd) on $(tty)"}]
+    outputs += [_usage(ModelOutput.for_tool_call("mockllm/model", "bash_session", t)) for t in typed]
     outputs.append(_usage(ModelOutput.from_content("mockllm/model", "done")))
 
     @scorer(metrics=[accuracy()])
@@ -63,7 +68,7 @@ def main() -> int:
         return score
 
     task = Task(dataset=[Sample(input="Fix the issue.", metadata={"instance_id": instance})],
-                solver=[use_tools(bash(timeout=120), text_editor()), generate()], scorer=repo_tests(),
+                solver=[use_tools(bash(timeout=120), text_editor(), bash_session()), generate()], scorer=repo_tests(),
                 sandbox=("image_builder", config))
     [log] = eval(task, model=get_model("mockllm/model", custom_outputs=outputs), log_dir=log_dir,
                  display="none", sandbox_cleanup=True)

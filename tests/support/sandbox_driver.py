@@ -6,7 +6,8 @@ another user (setpriv) and kill its holder in the middle.
 scenario: {"layers": {"env_sif", "overlays", "env", "workdir"}, "backend", "state_dir",
 "sandbox": Sandbox keywords, "steps": [[op, {keywords}]...]}; ops: exec (exec's keywords,
 input as base64), read_file / write_file (data as base64) / download, sleep {seconds},
-kill_holder (SIGKILL to the mount holder), close. A step's line: {"ok": result} or
+kill_holder (SIGKILL to the mount holder), host_files {path} (what is below a host path:
+relative name -> size), close. A step's line: {"ok": result} or
 {"error": exception type, "message"}; exec's result is RunResult's fields, bytes as base64.
 """
 
@@ -51,6 +52,8 @@ def _step(box: Sandbox, op: str, kw: dict):
     if op == "kill_holder":
         os.kill(box._session._holder_pid, signal.SIGKILL)
         return time.sleep(0.5)
+    if op == "host_files":
+        return {str(p.relative_to(kw["path"])): p.stat().st_size for p in Path(kw["path"]).rglob("*") if p.is_file()}
     if op == "close":
         return box.close()
     raise ValueError(op)
