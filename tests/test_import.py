@@ -18,6 +18,7 @@ from image_builder.runtime.execution import RunRequest
 from image_builder.runtime.session import InstanceLayers
 from image_builder.store.store import Store
 from tests.conftest import run_cli
+from tests.test_runtime import NOBODY
 from tests.support.bases import tiny_rootfs
 from tests.support.oci import Blob, Entry, Pusher, config_blob, layer
 from tests.test_store import Stack, lls
@@ -201,6 +202,40 @@ def test_a_swebench_shaped_image_imports_and_its_gold_patch_resolves(marshmallow
         assert results(out)[iid]["repo"]["resolved"] is resolved_wanted, results(out)[iid]["reason"]
 
 
+def _overlay_listing(store: Path, rel: str) -> list[str]:
+    """An instance overlay's entries: modes, owners, sizes and names; not times."""
+    return [" ".join(line.split()[:3] + line.split()[5:]) for line in lls(store / rel).splitlines()[1:]]
+
+
+def test_each_way_of_making_an_overlay_makes_the_same(imported, registries, public_dir, public_ca, tmp_path,
+                                                      monkeypatch):
+    """The image's own layers applied over its environment through an overlay mount, as root and
+    rootless (a user namespace), and the whole image flattened and compared (where no overlay
+    can be mounted): the same overlays."""
+    from image_builder.build import imports
+    from image_builder.build.envbuild import BuildOptions
+    from image_builder.oci.cache import BlobCache
+    from image_builder.oci.registry import RegistryOptions
+    refs, args, _ = imported
+    one = Store.open(tmp_path / "store").index
+    flattened = tmp_path / "flattened"
+    monkeypatch.setattr(imports, "_upper_by_overlay", lambda *a: None)
+    build = BuildOptions(store=flattened, cache=BlobCache(tmp_path / "cache"),
+                         registry=RegistryOptions(ca_cert=registries.tls.cert))
+    imports.import_images([imports.ImportItem(r) for r in refs], imports.ImportOptions(build, id_from=args[-1]))
+    rootless = public_dir / "rootless-import"
+    rootless.mkdir()
+    os.chown(rootless, NOBODY, NOBODY)
+    r = run_cli("import", *refs, "--store", str(rootless / "store"), "--cache-dir", str(rootless / "cache"),
+                "--ca-cert", str(public_ca), "--id-from", args[-1], user=NOBODY,
+                env={"HOME": str(rootless), "DOCKER_CONFIG": str(rootless / "no-docker-config")})
+    assert r.returncode == 0, r.stderr
+    for iid, rec in one.instances.items():
+        want = _overlay_listing(tmp_path / "store", rec.sqfs)
+        assert _overlay_listing(flattened, rec.sqfs) == want, iid
+        assert _overlay_listing(rootless / "store", rec.sqfs) == want, iid
+
+
 def test_shards_split_as_one_import_and_merge_into_the_same_index(imported, registries, tmp_path):
     refs, args, _ = imported
     one = Store.open(tmp_path / "store").index
@@ -211,14 +246,12 @@ def test_shards_split_as_one_import_and_merge_into_the_same_index(imported, regi
     assert run_cli("index", "merge", "--store", str(sharded)).returncode == 0
     merged = Store.open(sharded).index
 
-    def listing(store: Path, rel: str) -> list[str]:  # modes, owners, sizes and names; not times
-        return [" ".join(line.split()[:3] + line.split()[5:]) for line in lls(store / rel).splitlines()[1:]]
-
     assert {i: r.environment for i, r in merged.instances.items()} == {i: r.environment for i, r in
                                                                        one.instances.items()}, "the same split"
     assert len(merged.environments) == 1 and len(list((sharded / "envs").glob("*.sif"))) == 1, "packed once"
     for iid, rec in one.instances.items():
-        assert listing(sharded, merged.instances[iid].sqfs) == listing(tmp_path / "store", rec.sqfs), iid
+        want = _overlay_listing(tmp_path / "store", rec.sqfs)
+        assert _overlay_listing(sharded, merged.instances[iid].sqfs) == want, iid
 
 
 # --- images made with the real tools (umoci, skopeo) from the repositories' bundles ------------------

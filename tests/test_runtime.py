@@ -255,7 +255,7 @@ def mounted_anywhere(path: Path) -> list[str]:
 
 
 def loops_backed_by(path: Path) -> set[str]:
-    """Loop devices whose backing file is below `path` (a store)."""
+    """Loop devices whose backing file is below `path` (a store, a sandbox's layer dir)."""
     out = subprocess.run(["losetup", "--list", "--noheadings", "--output", "NAME,BACK-FILE"], capture_output=True,
                          text=True).stdout
     path = Path(path).resolve()  # losetup shows the file's real path

@@ -12,10 +12,13 @@ prefix the image shares with another image of the import (SWE-bench's base +
 environment layers, when two instances of one environment are imported); an
 image that shares nothing is its own environment with no overlay.
 
-The overlay is the difference between the image's flattened tree and its
-environment's (pack/overlay.py diff_trees), not the upper layers' tar entries:
-an instance layer that re-adds a checkout the environment holds costs only the
-files that changed. The image config's Env, WorkingDir and Entrypoint + Cmd are
+The overlay is what the image's own layers change in its environment's tree,
+applied over that tree through an overlay mount in a child's mount namespace (the
+kernel makes the whiteouts; _upper_by_overlay), less what the environment already
+holds as it is (pack/overlay.py prune_upper): an instance layer that re-adds a
+checkout the environment holds costs only the files that changed. Where no overlay
+can be mounted, the image is flattened whole and compared (diff_trees): the same
+overlay, slower. The image config's Env, WorkingDir and Entrypoint + Cmd are
 the instance's environment, workdir and default command in the index.
 """
 
@@ -24,7 +27,9 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
+import os
 import re
+import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -34,9 +39,9 @@ from image_builder import __version__
 from image_builder.errors import ImageBuilderError
 from image_builder.oci.cache import sha256_file
 from image_builder.oci.image import PulledImage
-from image_builder.oci.layers import flatten
+from image_builder.oci.layers import LayerError, flatten
 from image_builder.oci.pull import pull
-from image_builder.pack.overlay import diff_trees
+from image_builder.pack.overlay import DiffStats, diff_trees, normalise_upper, prune_upper
 from image_builder.pack.sif import write_sif, write_singularity_env
 from image_builder.pack.squashfs import SquashOptions, pack
 from image_builder.store.ids import id_problem, shown_id
@@ -273,8 +278,11 @@ def _pack_instance(paths: StorePaths, iid: str, img: PulledImage, n: int, lower:
     if n < len(img.layers):
         full, upper = work / f"full-{time.monotonic_ns()}", work / f"upper-{time.monotonic_ns()}"
         try:
-            flatten([layer.path for layer in img.layers], full, rootless=True)
-            stats = diff_trees(lower, full, upper)
+            stats = _upper_by_overlay([layer.path for layer in img.layers[n:]], lower, upper)
+            if stats is None:  # no overlay mount here: the whole image flattened, and compared
+                remove_tree(upper)
+                flatten([layer.path for layer in img.layers], full, rootless=True)
+                stats = diff_trees(lower, full, upper)
             clamp_to_epoch(upper)  # as for built instances: same inputs, same bytes
             if stats.entries or stats.whiteouts:
                 sqfs = paths.instance_sqfs(iid)
@@ -290,6 +298,66 @@ def _pack_instance(paths: StorePaths, iid: str, img: PulledImage, n: int, lower:
     paths.instance_sqfs(iid).parent.mkdir(parents=True, exist_ok=True)
     write_record(paths, build)
     return build
+
+
+def _upper_by_overlay(layers: list[Path], lower: Path, upper: Path) -> DiffStats | None:
+    """`layers` (an image's own, above its environment) applied over the environment's tree
+    `lower` through an overlay mount, in a mount namespace of a child process (a user
+    namespace too, rootless): the kernel turns deletions into whiteouts in `upper`, and
+    only what the layers add is written, not the whole image again (bench/imports.py).
+    Then in Apptainer's overlay form, less what `lower` already holds (prune_upper). None
+    where no overlay can be mounted (an old kernel, a work directory on NFS): the caller
+    flattens the whole image instead."""
+    from image_builder.runtime.mounts import CLONE_NEWNS, CLONE_NEWUSER, MS_PRIVATE, MS_REC, map_root, mount, unshare
+
+    work = upper.parent
+    merged, scratch = work / f"{upper.name}.merged", work / f"{upper.name}.work"
+    for d in (upper, merged, scratch):
+        d.mkdir()
+    top = os.lstat(lower)  # the merged root is upper's: it must be the environment's until a layer says otherwise
+    os.chmod(upper, stat.S_IMODE(top.st_mode))
+    os.utime(upper, ns=(top.st_atime_ns, top.st_mtime_ns))
+    uid, gid, root = os.getuid(), os.getgid(), os.geteuid() == 0
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: mount, apply, report in one line, leave (its namespace, and the mount, go with it)
+        code, text = 0, b""
+        try:
+            os.close(r)
+            try:
+                unshare(CLONE_NEWNS if root else CLONE_NEWUSER | CLONE_NEWNS)
+                if not root:
+                    map_root(uid, gid)
+                mount(None, "/", None, MS_REC | MS_PRIVATE)
+                os.chdir(work)  # relative names: a store path may hold the ',' and ':' of mount options
+                mount("overlay", merged.name, "overlay", 0,
+                      f"lowerdir={os.path.relpath(lower, work)},upperdir={upper.name},workdir={scratch.name},"
+                      f"redirect_dir=nofollow,index=off,metacopy=off{'' if root else ',userxattr'}")
+            except OSError as e:
+                code, text = 3, str(e).encode()
+            else:
+                flatten(layers, Path(merged.name), rootless=True)
+        except LayerError as e:
+            code, text = 2, str(e).encode()
+        except BaseException as e:  # noqa: BLE001 - a child reports everything and leaves
+            code, text = 1, f"{type(e).__name__}: {e}".encode()
+        finally:
+            os.write(w, text[:8000])
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as pipe:
+        text = pipe.read().decode(errors="replace")
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    remove_tree(merged)
+    remove_tree(scratch)
+    if code == 3:
+        return None
+    if code == 2:
+        raise LayerError(text)
+    if code != 0:
+        raise ImageBuilderError(f"applying the image's layers over its environment: {text or f'exit {code}'}")
+    normalise_upper(upper, lambda rel: os.listdir(lower / rel) if (lower / rel).is_dir() else [])
+    return prune_upper(upper, lower)
 
 
 def _merge_index(store: Path, envs: dict[str, EnvRecord], insts: dict[str, InstanceRecord],

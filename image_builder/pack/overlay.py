@@ -135,6 +135,35 @@ def diff_trees(lower: Path, full: Path, upper: Path) -> DiffStats:
     return DiffStats(entries, whiteouts, 0)
 
 
+def prune_upper(upper: Path, lower: Path) -> DiffStats:
+    """Drop from `upper` (overlay form, over `lower`) what `lower` already holds as it is:
+    files and symlinks the same as their twin (_same_entry: type, mode, size, content or
+    target), then directories left empty whose twin is a directory of the same mode; each
+    directory keeps its times. An overlay mount's upper directory then holds what
+    diff_trees(lower, merged) would have written: an image's own layer that re-adds a
+    checkout its environment holds costs only what changed."""
+    entries = whiteouts = 0
+    for dirpath, dirnames, filenames in os.walk(upper, topdown=False):
+        here = os.lstat(dirpath)
+        low_dir = lower / os.path.relpath(dirpath, upper)
+        for name in filenames + dirnames:
+            path, low = Path(dirpath) / name, low_dir / name
+            st = os.lstat(path)
+            if is_whiteout(st):
+                whiteouts += 1
+            elif not stat.S_ISDIR(st.st_mode):  # os.walk lists a symlink to a directory among dirnames
+                if _same_entry(path, low):
+                    os.unlink(path)
+                else:
+                    entries += 1
+            elif not os.listdir(path) and not low.is_symlink() and low.is_dir() and os.lstat(low).st_mode == st.st_mode:
+                os.rmdir(path)
+            else:
+                entries += 1
+        os.utime(dirpath, ns=(here.st_atime_ns, here.st_mtime_ns))
+    return DiffStats(entries, whiteouts, 0)
+
+
 def _same_entry(a: Path, b: Path) -> bool:
     try:
         sa, sb = os.lstat(a), os.lstat(b)

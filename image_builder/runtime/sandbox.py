@@ -78,9 +78,9 @@ class Sandbox:
         if layer_dir:
             layer_dir = Path(layer_dir).resolve()
             if backend is Backend.USERNS and disk_mb:
-                raise RunnerError(f"--disk with a layer on disk ({layer_dir}) needs the kernel backend (root: a "
-                                  "loop device); rootless, drop --disk (the layer is uncapped there) or the layer "
-                                  f"dir (a tmpfs of --disk MB; unset {LAYER_DIR_ENV})")
+                raise RunnerError(f"a size (--disk, disk_mb) for a layer on disk ({layer_dir}) needs the kernel "
+                                  "backend (root: a loop device); rootless, drop the size (the layer is uncapped "
+                                  f"there) or the layer dir (a tmpfs of that size; unset {LAYER_DIR_ENV})")
             layer = (layer_dir, disk_mb or DEFAULT_DISK_LAYER_MB)
             disk_mb = None  # the tmpfs then holds only mount points and /dev/shm: the run's memory bounds them
         self._limits(layers, backend, network, memory_mb, max_processes)
