@@ -198,3 +198,45 @@ def test_a_capped_layer_on_disk_rootless_is_refused_in_one_line(images, tmp_path
     layers = InstanceLayers(images.env_sif, (images.inst_sqfs,), {}, "/testbed")
     with pytest.raises(RunnerError, match="needs the kernel backend .root: a loop device"):
         Sandbox(layers, backend=Backend.USERNS, disk_mb=32, layer_dir=tmp_path)
+
+
+def test_a_rootless_layer_a_killed_holder_left_is_removed_by_the_next_sandbox(images):
+    """A Slurm job's end kills the holder outright: its rootless layer directory stays on the
+    node's disk until a sandbox is next made in that layer dir (its holder's lock is free)."""
+    layer_dir = Path(tempfile.mkdtemp(prefix="ib-layers-", dir="/var/tmp"))
+    state_dir = Path(tempfile.mkdtemp(prefix="ib-sandbox-userns-"))
+    for d in (layer_dir, state_dir):
+        os.chown(d, NOBODY, NOBODY)
+    try:
+        scenario(images, "userns", state_dir, [sh("echo left > /tmp/left"), ["kill_holder", {}]],
+                 layer_dir=str(layer_dir))
+        [left] = list(layer_dir.iterdir())
+        assert (left / "upper/tmp/left").read_text() == "left\n"
+        got = scenario(images, "userns", state_dir, [["host_files", {"path": str(layer_dir)}]],
+                       layer_dir=str(layer_dir))
+        assert not left.exists(), "the killed holder's layer is removed"
+        assert got[0]["ok"] and not any(name.startswith(left.name) for name in got[0]["ok"])
+        assert eventually(lambda: not list(layer_dir.iterdir()), 10)
+    finally:
+        shutil.rmtree(layer_dir, ignore_errors=True)
+        shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def test_the_sweep_passes_over_a_layer_whose_holder_lives(tmp_path):
+    import fcntl
+
+    from image_builder.runtime.holder import _LAYER_LOCK, _LAYER_PREFIX, Holder
+    live, dead, other = (tmp_path / f"{_LAYER_PREFIX}{n}" for n in ("live", "dead", "other"))
+    for d in (live, dead):
+        (d / "upper").mkdir(parents=True)
+        (d / _LAYER_LOCK).touch()
+    other.mkdir()  # no lock in it: not a layer of ours
+    held = os.open(live / _LAYER_LOCK, os.O_RDWR)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        Holder._sweep_layers(str(tmp_path))
+        assert live.exists() and other.exists() and not dead.exists()
+    finally:
+        os.close(held)
+    Holder._sweep_layers(str(tmp_path))
+    assert not live.exists() and other.exists()

@@ -68,6 +68,7 @@ import os
 import select
 import signal
 import socket
+import stat
 import struct
 import sys
 import time
@@ -178,6 +179,9 @@ def spawn_init(program: str, spec: RootSpec, mode: str, ctl: int, idle: float = 
 
 # --- the holder -----------------------------------------------------------------------------------
 
+_LAYER_PREFIX = "image-builder-layer-"  # a sandbox's writable layer on disk (Holder._disk_layer)
+_LAYER_LOCK = ".held"  # in a rootless one: locked by its holder while it lives
+
 _STARTUP_GRACE = 10.0  # seconds a new holder waits for its first client
 # Ready inits kept for sessions to come, over all the layer stacks: a trainer touching
 # thousands of instances must not leave one idle init (its namespaces, mounts and
@@ -251,6 +255,7 @@ class Holder:
         self.spares: dict[tuple, tuple[float, socket.socket]] = {}
         self.free_netns: list[int] = []
         self.counter = 0
+        self.layer_locks: dict[str, int] = {}  # rootless sandbox layers on disk -> the lock held in each
         self.pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -421,8 +426,10 @@ class Holder:
         kept-layer path. Kernel (root): an ext4 of `size_mb` on a loop device, so the layer
         cannot outgrow it (ENOSPC); its file is unlinked at once, so the space goes back
         when the last mount of it does, however the sandbox ends. mkfs.ext4 without a
-        journal (scratch data): 10 ms and 1.2 MB written for 2 GB, 12 ms and 4.4 MB for 20 GB. Rootless: a
-        directory there, uncapped (a loop device needs root); removed when the init ends."""
+        journal (scratch data): 10 ms and 1.2 MB written for 2 GB, 12 ms and 4.4 MB for 20 GB.
+        Rootless: a directory there, uncapped (a loop device needs root), removed when the
+        init ends; the holder keeps a lock in it (_LAYER_LOCK) while it lives, so the
+        directories a killed holder left (a Slurm job's end) are removed by the next one."""
         import shutil  # here: not on the holder's start-up path
         import subprocess
         import tempfile
@@ -430,9 +437,18 @@ class Holder:
         if not os.path.isabs(directory) or not os.path.isdir(directory):
             raise RunnerError(f"layer dir {directory!r}: not an existing directory (give an absolute path)")
         if not self.kernel:
-            return tempfile.mkdtemp(prefix="image-builder-layer-", dir=directory)
+            self._sweep_layers(directory)
+            # Made under a name the sweep passes over, locked, then given its own: never swept half-made.
+            new = f".{_LAYER_PREFIX}new-"
+            making = tempfile.mkdtemp(prefix=new, dir=directory)
+            lock = os.open(os.path.join(making, _LAYER_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            path = os.path.join(directory, _LAYER_PREFIX + os.path.basename(making)[len(new):])
+            os.rename(making, path)
+            self.layer_locks[path] = lock
+            return path
         target = self._dir("d")
-        fd, image = tempfile.mkstemp(prefix="image-builder-layer-", suffix=".ext4", dir=directory)
+        fd, image = tempfile.mkstemp(prefix=_LAYER_PREFIX, suffix=".ext4", dir=directory)
         try:
             os.ftruncate(fd, size_mb << 20)  # sparse: blocks are taken as the layer is written
             mkfs = shutil.which("mkfs.ext4", path=f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin")
@@ -459,7 +475,37 @@ class Holder:
             from pathlib import Path
 
             from image_builder.store.store import remove_tree
-            remove_tree(Path(upper))
+            try:
+                remove_tree(Path(upper))
+            finally:
+                os.close(self.layer_locks.pop(upper))
+
+    @staticmethod
+    def _sweep_layers(directory: str) -> None:
+        """Remove the rootless layers in `directory` whose holder is gone (their lock is free)."""
+        from pathlib import Path
+
+        from image_builder.store.store import remove_tree
+        for name in os.listdir(directory):
+            path = os.path.join(directory, name)
+            try:
+                st = os.lstat(path)
+                if not name.startswith(_LAYER_PREFIX) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                    continue  # not a layer, or another user's (in a shared /tmp)
+                lock = os.open(os.path.join(path, _LAYER_LOCK), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                continue  # gone meanwhile, or not one of ours
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(lock)
+                continue  # its holder lives
+            try:
+                remove_tree(Path(path))
+            except OSError:
+                pass  # the next sweep tries again
+            finally:
+                os.close(lock)
 
     def _reap(self) -> None:
         while True:
