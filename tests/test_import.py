@@ -53,16 +53,41 @@ def push_images(registries, tmp: Path) -> list[str]:
     return refs
 
 
-def tree(root: Path) -> dict[str, tuple]:
-    """Every entry below root: type and mode, and content or link target."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            p = Path(dirpath) / name
-            st = os.lstat(p)
-            what = os.readlink(p) if stat.S_ISLNK(st.st_mode) else p.read_bytes() if stat.S_ISREG(st.st_mode) else None
-            out[str(p.relative_to(root))] = (stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode), what)
-    return out
+# Every entry below argv[1]: type, mode, owner, size, and sha256 or symlink target. Run on the host, or
+# in the runtime (on its root, "/").
+LIST_TREE = r"""
+import hashlib, json, os, stat, sys
+root = sys.argv[1]
+# Inside the runtime: its mount points (/proc, /dev, /etc/hosts, ...) are neither tree's.
+mounts = {line.split()[4] for line in open("/proc/self/mountinfo")} - {"/"} if root == "/" else set()
+out = {}
+for d, dirs, files in os.walk(root):
+    for name in list(dirs) + files:
+        p = os.path.join(d, name)
+        rel = os.path.relpath(p, root)
+        if p in mounts:
+            out[rel] = None
+            if name in dirs:
+                dirs.remove(name)
+            continue
+        st = os.lstat(p)
+        what = (os.readlink(p) if stat.S_ISLNK(st.st_mode) else
+                hashlib.sha256(open(p, "rb").read()).hexdigest() if stat.S_ISREG(st.st_mode) else None)
+        size = st.st_size if stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode) else None
+        out[rel] = [stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, size, what]
+json.dump(out, sys.stdout)
+"""
+
+
+def tree(root: Path) -> dict[str, list]:
+    """LIST_TREE of a tree on the host."""
+    return json.loads(subprocess.run([sys.executable, "-c", LIST_TREE, str(root)], capture_output=True,
+                                     check=True).stdout)
+
+
+def differing(got: dict, want: dict) -> list:
+    """The first entries two listings disagree on: (name, got, wanted)."""
+    return [(k, got.get(k), want.get(k)) for k in sorted(set(got) | set(want)) if got.get(k) != want.get(k)][:5]
 
 
 @pytest.fixture
@@ -100,7 +125,7 @@ def test_images_sharing_their_bottom_layers_become_one_environment(imported, reg
         finally:
             stack.close()
         want = tree(flat)
-        assert got == want, sorted(set(got.items()) ^ set(want.items()))[:5]
+        assert got == want, differing(got, want)
     listing = lls(tmp_path / "store/instances/repo__name-1.sqfs")
     assert "opt/env/b" in listing and "opt/env/a" not in listing, "a byte-identical file is not stored again"
     assert ".singularity.d" not in listing, "the overlay holds only what the image adds"
@@ -256,28 +281,6 @@ def test_shards_split_as_one_import_and_merge_into_the_same_index(imported, regi
 
 # --- images made with the real tools (umoci, skopeo) from the repositories' bundles ------------------
 
-LIST_TREE = r"""
-import hashlib, json, os, stat, sys
-root = sys.argv[1]
-# Inside the runtime: its mount points (/proc, /dev, /etc/hosts, ...) are neither tree's.
-mounts = {line.split()[4] for line in open("/proc/self/mountinfo")} - {"/"} if root == "/" else set()
-out = {}
-for d, dirs, files in os.walk(root):
-    for name in list(dirs) + files:
-        p = os.path.join(d, name)
-        rel = os.path.relpath(p, root)
-        if p in mounts:
-            out[rel] = None
-            if name in dirs:
-                dirs.remove(name)
-            continue
-        st = os.lstat(p)
-        what = (os.readlink(p) if stat.S_ISLNK(st.st_mode) else
-                hashlib.sha256(open(p, "rb").read()).hexdigest() if stat.S_ISREG(st.st_mode) else None)
-        size = st.st_size if stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode) else None
-        out[rel] = [stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, size, what]
-json.dump(out, sys.stdout)
-"""
 UMOCI_INSTANCES = (  # (instance id, repository, what the image does beyond the clone)
     ("pytest-dev__pytest-5103", "pytest", {"delete": ("etc/issue.net", "usr/share/doc/git")}),
     ("pytest-dev__pytest-7373", "pytest", {"user": "nobody", "extra": (
@@ -319,8 +322,7 @@ def test_images_made_with_umoci_import_to_trees_equal_to_their_flattened_images(
         p = run_cli("pull", ref, "--rootfs", str(flat), "--cache-dir", str(cache), "--ca-cert",
                     str(registries.tls.cert))
         assert p.returncode == 0, p.stderr
-        want = json.loads(subprocess.run([sys.executable, "-c", LIST_TREE, str(flat)], capture_output=True,
-                                         check=True).stdout)
+        want = tree(flat)
         resolved = opened.resolve(iid)
         assert resolved.user == how.get("user", ""), "the image's User is in the index"
         layers = InstanceLayers(resolved.env_sif, resolved.overlays, resolved.env, resolved.workdir,
@@ -341,10 +343,8 @@ def test_images_made_with_umoci_import_to_trees_equal_to_their_flattened_images(
         if "extra" in how:
             assert want["testbed/setup.py"][2:4] == [1000, 1000]
         want = {k: v[:2] + [0, 0] + v[4:] for k, v in want.items()}
-        assert got == want, sorted(set(got) ^ set(want))[:5] or [(k, got[k], want[k]) for k in got
-                                                                    if got[k] != want[k]][:5]
+        assert got == want, differing(got, want)
         assert "testbed/.git/HEAD" in got and len(got) > 10_000
     removed, opaque = UMOCI_INSTANCES[0][0], UMOCI_INSTANCES[2][0]
-    assert "etc/issue.net" not in json.loads(subprocess.run(
-        [sys.executable, "-c", LIST_TREE, str(tmp_path / f"flat-{removed}")], capture_output=True).stdout)
+    assert "etc/issue.net" not in tree(tmp_path / f"flat-{removed}")
     assert sorted(p.name for p in (tmp_path / f"flat-{opaque}/etc/apt/apt.conf.d").iterdir()) == ["only-this"]

@@ -182,6 +182,15 @@ def spawn_init(program: str, spec: RootSpec, mode: str, ctl: int, idle: float = 
 _LAYER_PREFIX = "image-builder-layer-"  # a sandbox's writable layer on disk (Holder._disk_layer)
 _LAYER_LOCK = ".held"  # in a rootless one: locked by its holder while it lives
 
+
+def _remove_tree(path: str) -> None:
+    """store.remove_tree (it removes what overlayfs leaves at mode 000), loaded on first use:
+    the holder starts without it."""
+    from pathlib import Path
+
+    from image_builder.store.store import remove_tree
+    remove_tree(Path(path))
+
 _STARTUP_GRACE = 10.0  # seconds a new holder waits for its first client
 # Ready inits kept for sessions to come, over all the layer stacks: a trainer touching
 # thousands of instances must not leave one idle init (its namespaces, mounts and
@@ -423,30 +432,21 @@ class Holder:
 
     def _disk_layer(self, directory: str, size_mb: int) -> str:
         """A sandbox's writable layer on node-local disk under `directory`, for the init's
-        kept-layer path. Kernel (root): an ext4 of `size_mb` on a loop device, so the layer
-        cannot outgrow it (ENOSPC); its file is unlinked at once, so the space goes back
-        when the last mount of it does, however the sandbox ends. mkfs.ext4 without a
-        journal (scratch data): 10 ms and 1.2 MB written for 2 GB, 12 ms and 4.4 MB for 20 GB.
-        Rootless: a directory there, uncapped (a loop device needs root), removed when the
-        init ends; the holder keeps a lock in it (_LAYER_LOCK) while it lives, so the
-        directories a killed holder left (a Slurm job's end) are removed by the next one."""
+        kept-layer path: an ext4 of `size_mb` as root (_ext4_layer), a directory rootless
+        (_rootless_layer: uncapped, a loop device needs root)."""
+        if not os.path.isabs(directory) or not os.path.isdir(directory):
+            raise RunnerError(f"layer dir {directory!r}: not an existing directory (give an absolute path)")
+        return self._ext4_layer(directory, size_mb) if self.kernel else self._rootless_layer(directory)
+
+    def _ext4_layer(self, directory: str, size_mb: int) -> str:
+        """An ext4 of `size_mb` on a loop device, so the layer cannot outgrow it (ENOSPC); its
+        file is unlinked at once, so the space goes back when the last mount of it does,
+        however the sandbox ends. mkfs.ext4 without a journal (scratch data): 10 ms and
+        1.2 MB written for 2 GB, 12 ms and 4.4 MB for 20 GB."""
         import shutil  # here: not on the holder's start-up path
         import subprocess
         import tempfile
 
-        if not os.path.isabs(directory) or not os.path.isdir(directory):
-            raise RunnerError(f"layer dir {directory!r}: not an existing directory (give an absolute path)")
-        if not self.kernel:
-            self._sweep_layers(directory)
-            # Made under a name the sweep passes over, locked, then given its own: never swept half-made.
-            new = f".{_LAYER_PREFIX}new-"
-            making = tempfile.mkdtemp(prefix=new, dir=directory)
-            lock = os.open(os.path.join(making, _LAYER_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            path = os.path.join(directory, _LAYER_PREFIX + os.path.basename(making)[len(new):])
-            os.rename(making, path)
-            self.layer_locks[path] = lock
-            return path
         target = self._dir("d")
         fd, image = tempfile.mkstemp(prefix=_LAYER_PREFIX, suffix=".ext4", dir=directory)
         try:
@@ -467,25 +467,36 @@ class Holder:
             os.unlink(image)
         return target
 
+    def _rootless_layer(self, directory: str) -> str:
+        """A directory in `directory`, removed when the init ends. The holder keeps a lock in
+        it (_LAYER_LOCK) while it lives, so the ones a killed holder left (a Slurm job's end)
+        are removed by the next sandbox made there (_sweep_layers)."""
+        import tempfile
+
+        self._sweep_layers(directory)
+        # Made under a name the sweep passes over, locked, then given its own: never swept half-made.
+        new = f".{_LAYER_PREFIX}new-"
+        making = tempfile.mkdtemp(prefix=new, dir=directory)
+        lock = os.open(os.path.join(making, _LAYER_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        path = os.path.join(directory, _LAYER_PREFIX + os.path.basename(making)[len(new):])
+        os.rename(making, path)
+        self.layer_locks[path] = lock
+        return path
+
     def _drop_layer(self, upper: str) -> None:
         if self.kernel:
             umount(upper)  # the loop device (AUTOCLEAR) and its file go with the last mount of it
             os.rmdir(upper)
         else:
-            from pathlib import Path
-
-            from image_builder.store.store import remove_tree
             try:
-                remove_tree(Path(upper))
+                _remove_tree(upper)
             finally:
                 os.close(self.layer_locks.pop(upper))
 
     @staticmethod
     def _sweep_layers(directory: str) -> None:
         """Remove the rootless layers in `directory` whose holder is gone (their lock is free)."""
-        from pathlib import Path
-
-        from image_builder.store.store import remove_tree
         for name in os.listdir(directory):
             path = os.path.join(directory, name)
             try:
@@ -501,7 +512,7 @@ class Holder:
                 os.close(lock)
                 continue  # its holder lives
             try:
-                remove_tree(Path(path))
+                _remove_tree(path)
             except OSError:
                 pass  # the next sweep tries again
             finally:

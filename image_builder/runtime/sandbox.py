@@ -16,8 +16,9 @@ namespace), and the writable layer: a tmpfs sized by `disk_mb` (memory, never th
 store's file system), or with `layer_dir` (a node-local disk) a file system of its own
 there: an ext4 of `disk_mb` on a loop device (kernel backend; ENOSPC past it), or a
 directory, uncapped (rootless: a loop device needs root). Either goes when the
-sandbox does (a rootless one a killed holder left, with the next sandbox made there). Commands run as root of the sandbox's user namespace, which maps
-no other user. Execs are taken one at a time (the init runs one job at a time).
+sandbox does (a rootless one a killed holder left, with the next sandbox made
+there). Commands run as root of the sandbox's user namespace, which maps no other
+user. Execs are taken one at a time (the init runs one job at a time).
 
 When the holder or the init dies, the next call raises SandboxUnavailable instead
 of hanging: the init dies with its holder (PR_SET_PDEATHSIG) and the socket says so.
