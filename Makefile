@@ -33,6 +33,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]' 'inspect-ai==0.3.285' 'mini-swe-agent==2.4.6'
 	# The swebench extra without its harness's dependencies (docker, datasets, modal): only its specs are read.
 	$(PY) -m pip install -q --no-deps 'swebench==4.1.0'
+	# inspect_evals' SWE-bench task, for the tests: 0.26.0 is the newest installable (0.28.0 needs
+	# inspect-evals-utils, not on PyPI); its swe_bench module needs only these beyond what is here.
+	$(PY) -m pip install -q --no-deps 'inspect-evals==0.26.0' 'backoff==2.2.1' 'unidiff==0.7.5'
 	touch $@
 
 venv: $(VENV)/.installed

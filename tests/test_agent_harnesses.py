@@ -62,7 +62,8 @@ def test_an_inspect_eval_runs_its_agent_and_scorer_in_the_store(public_store, pu
                str(home / "test.patch"), row["FAIL_TO_PASS"],  # SWE-bench's rows hold the list as JSON text
                str(home / "logs"))
     assert got["tool_errors"] == [], got
-    pwd, applied, started, queried, created, replaced, viewed, typed, echoed = got["tools"]
+    pwd, applied, started, queried, waited, made, created, replaced, viewed, typed, echoed = got["tools"]
+    assert (waited.strip(), made.strip()) == ("waited", "made"), "Inspect's parallel calls ran side by side"
     assert "2nd line" in viewed and "first line" in viewed, (created, replaced, viewed)
     assert "mark=kept in /testbed/src on /dev/pts/" in echoed, (typed, echoed)  # the session's shell kept its state
     assert pwd.splitlines()[0] == "/testbed" and pwd.splitlines()[1].strip() == "0", pwd
@@ -76,6 +77,36 @@ def test_an_inspect_eval_runs_its_agent_and_scorer_in_the_store(public_store, pu
     assert eventually(lambda: not processes_with(str(home / "run")) and not processes_with("http.server 8431"), 20)
     assert eventually(lambda: not mounted_anywhere(home / "run"), 20), mounted_anywhere(home / "run")
     assert eventually(lambda: loops_backed_by(public_store) <= loops_before, 20), "a loop device of the eval's is left"
+
+
+INSPECT_EVALS = Path(__file__).parent / "support" / "inspect_evals_swebench.py"
+HF_FIELDS = ("repo", "instance_id", "base_commit", "patch", "test_patch", "problem_statement", "hints_text",
+             "created_at", "version", "FAIL_TO_PASS", "PASS_TO_PASS", "environment_setup_commit")
+
+
+@pytest.mark.parametrize("user,patch", [(None, "gold"), (None, "none"), (NOBODY, "gold")])
+def test_inspect_evals_swe_bench_task_runs_on_the_store(public_store, public_dir, user, patch):
+    """inspect_evals' own swe_bench() (its loader, agent and scorer) with sandbox_type
+    "image_builder" and sample_sandbox(store): SWE-bench's eval script runs in the sandbox
+    (its conda lines find no conda and it goes on, the venv being on PATH) and its log
+    parser gives the verdict."""
+    row = _row()
+    home = _home(public_dir, user, {})
+    dataset = home / "swe_bench"
+    dataset.mkdir()
+    (dataset / "test.jsonl").write_text(json.dumps({k: row[k] for k in HF_FIELDS}) + "\n")  # SWE-bench's HF schema
+    if user is not None:
+        for path in (dataset, dataset / "test.jsonl"):
+            os.chown(path, user, user)
+    got = _run(user, home, INSPECT_EVALS, str(public_store), str(dataset), patch, str(home / "logs"))
+    if patch == "gold":
+        assert got["tools"][0].strip() == "applied", got["tools"]
+        assert got["score"] == 1.0, got["explanation"]
+    else:
+        assert got["score"] == 0.0, got["explanation"]
+    assert json.loads(row["FAIL_TO_PASS"])[0] in got["explanation"], "the scorer's report names the instance's tests"
+    assert eventually(lambda: not processes_with(str(home / "run")), 20)
+    assert eventually(lambda: not mounted_anywhere(home / "run"), 20), mounted_anywhere(home / "run")
 
 
 IMPOSSIBLE = Path(__file__).parent / "support" / "inspect_impossible.py"
@@ -122,3 +153,17 @@ def test_mini_swe_agent_runs_on_the_store(public_store, public_dir, user):
     assert got["result"]["exit_status"] == "Submitted", got["result"]
     assert "+++ b/src/marshmallow/fields.py" in got["result"]["submission"]
     assert eventually(lambda: not processes_with(str(home / "run")) and not processes_with("http.server 8617"), 20)
+
+
+def test_a_sandbox_config_that_is_not_ours_is_refused_in_one_line(tmp_path):
+    """A task that writes its own spec (inspect_evals' swe_bench without sandbox_config
+    writes a Docker compose file) gets a line naming the file and what to pass instead."""
+    from image_builder.agents.inspect_provider import _config
+
+    compose = tmp_path / "compose.yaml"
+    compose.write_text("services:\n  default:\n    image: swebench/sweb.eval.x86_64.marshmallow:latest\n")
+    with pytest.raises(ValueError) as e:
+        _config(str(compose))
+    message = str(e.value)
+    assert "\n" not in message and str(compose) in message and "store" in message, message
+    assert "sample_sandbox(STORE)" in message

@@ -101,6 +101,27 @@ def test_a_timeout_kills_that_exec_only(images, backend, state_dir):
     assert f"sleep {mark} " not in left + " ", "the timed-out exec's process group is gone"
 
 
+def test_execs_run_side_by_side(images, backend, state_dir):
+    """An agent's parallel tool calls (Inspect runs them at once): one waits in the
+    foreground for what a later one makes; one's timeout leaves the others running."""
+    got = scenario(images, backend, state_dir, [
+        ["together", {"steps": [
+            [*sh("until [ -e /tmp/go ]; do sleep 0.05; done; echo waited", timeout=60), 0.0],
+            [*sh("touch /tmp/go; echo made"), 0.5],
+            [*sh("sleep 600", timeout=1.0), 0.5],
+            [*sh("sleep 3; echo slow"), 0.5],
+        ]}],
+        sh("ls /tmp"),
+    ])
+    waited, made, timed, slow = got[0]["ok"]
+    assert out(waited) == b"waited\n" and not waited["ok"]["timed_out"], "it ran while another exec waited"
+    assert waited["ok"]["wall_time"] < 30, waited
+    assert out(made) == b"made\n"
+    assert timed["ok"]["timed_out"] and timed["ok"]["wall_time"] < 10, timed
+    assert out(slow) == b"slow\n" and not slow["ok"]["timed_out"], "another exec's timeout did not kill it"
+    assert out(got[1]) == b"go\n"
+
+
 def test_file_helpers_are_byte_exact_and_raise_local_errors(images, backend, state_dir):
     data = b"line one\r\nline two\x00\xff\n"
     host = state_dir / "dl"

@@ -98,14 +98,38 @@ def test_an_interrupted_exec_leaves_the_next_one_its_own_answer(public_store, us
     for sig, mark in ((signal.SIGINT, "4001.5"), (signal.SIGKILL, "4002.5")):
         proc = subprocess.Popen(_command(user, "sandbox", "exec", sid, "--", "sh", "-c", f"sleep {mark}; echo late"),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
-        assert eventually(lambda: processes_with(f"sleep {mark}"), 20)
+        other = subprocess.Popen(_command(user, "sandbox", "exec", sid, "--", "sh", "-c", "sleep 4003.5 & wait"),
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
+        assert eventually(lambda: processes_with(f"sleep {mark}") and processes_with("sleep 4003.5"), 20)
         time.sleep(0.2)
         proc.send_signal(sig)
         proc.communicate(timeout=30)
         # Ctrl-C, or the client killed: the command goes too, as a local one would with its terminal
         assert eventually(lambda: not processes_with(f"sleep {mark}"), 10), sig
+        assert processes_with("sleep 4003.5"), "another client's command runs on"
         r = cli("sandbox", "exec", sid, "--", "echo", "next")
         assert (r.returncode, r.stdout) == (0, "next\n"), (sig, r)
+        other.kill()
+        other.communicate(timeout=30)
+        assert eventually(lambda: not processes_with("sleep 4003.5"), 10), "a killed client's command goes with it"
+    assert cli("sandbox", "stop", sid).returncode == 0
+
+
+def test_clients_of_one_sandbox_run_side_by_side(public_store, user_env):
+    """Two shells on one sandbox: a command waiting in the foreground does not hold up
+    another client's, which makes what it waits for."""
+    user, env = user_env
+    cli = lambda *a, **kw: run_cli(*a, user=user, env=env, **kw)  # noqa: E731
+    sid = cli("sandbox", "start", INSTANCE, "--store", str(public_store)).stdout.strip()
+    waiting = subprocess.Popen(_command(user, "sandbox", "exec", sid, "--", "sh", "-c",
+                                        "until [ -e /tmp/go ]; do sleep 0.05; done; echo waited"),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
+    assert eventually(lambda: _ls(user, env)[0]["busy"], 20)
+    made = subprocess.run(_command(user, "sandbox", "exec", sid, "--", "touch", "/tmp/go"), capture_output=True,
+                          text=True, env={**os.environ, **env}, timeout=30)  # taking turns, it would wait for ever
+    assert made.returncode == 0, made.stderr
+    out, err = waiting.communicate(timeout=30)
+    assert (waiting.returncode, out) == (0, "waited\n"), err
     assert cli("sandbox", "stop", sid).returncode == 0
 
 

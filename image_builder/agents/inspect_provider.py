@@ -16,6 +16,11 @@ sandbox.yaml (or an ImageBuilderConfig):
     layer_dir: /local/scratch   # the writable layer on node-local disk, not in memory
     max_processes: 1024
 
+Tasks that make each sample's sandbox spec themselves (inspect_evals' swe_bench) take
+sample_sandbox(STORE), which names the instance by the sample's id:
+
+    swe_bench(dataset=..., sandbox_type="image_builder", sandbox_config=sample_sandbox(STORE))
+
 Registered through the `inspect_ai` entry point (pyproject.toml), so installing
 image_builder is enough. Each sample gets its own sandbox (agents/sandbox.py), closed
 in sample_cleanup; what its commands started in the background lives until then.
@@ -34,17 +39,18 @@ command twice in a root that kept what the first did).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Union, overload
+from typing import Any, Callable, Literal, Union, overload
 
 import anyio
 import yaml
+from inspect_ai.dataset import Sample
 from inspect_ai.scorer import CORRECT, INCORRECT, Score, Target, accuracy, scorer
 from inspect_ai.solver import TaskState
 from inspect_ai.tool import Tool, tool
 from inspect_ai.util import (ExecResult, OutputLimitExceededError, SandboxEnvironment, SandboxEnvironmentConfigType,
-                             SandboxEnvironmentLimits, SandboxUnavailableError, SandboxUserUnsupportedError,
-                             sandbox, sandboxenv)
-from pydantic import BaseModel
+                             SandboxEnvironmentLimits, SandboxEnvironmentSpec, SandboxUnavailableError,
+                             SandboxUserUnsupportedError, sandbox, sandboxenv)
+from pydantic import BaseModel, ValidationError
 
 from image_builder.graders.access import TestAccess
 from image_builder.runtime.mounts import RunnerError
@@ -79,10 +85,28 @@ def _config(config: SandboxEnvironmentConfigType | None) -> ImageBuilderConfig:
             raise ValueError(f"{path}: an image_builder sandbox config is a mapping (store:, instance:, ...)")
         base = path.resolve().parent
         for key in ("store", "dataset", "layer_dir"):  # relative to the config file
-            if doc.get(key) is not None:
+            if isinstance(doc.get(key), str):
                 doc[key] = str(base / doc[key])
-        return ImageBuilderConfig(**doc)
+        try:
+            return ImageBuilderConfig(**doc)
+        except ValidationError as e:
+            # A task that made its own spec (a Docker compose file, say) lands here: say what is wanted.
+            first = e.errors()[0]
+            raise ValueError(f"{path}: not an image_builder sandbox config ({'.'.join(map(str, first['loc']))}: "
+                             f"{first['msg']}); it names store: and optionally instance:, network:, ...; a task "
+                             "that builds each sample's spec takes sandbox_config=sample_sandbox(STORE)") from None
     raise ValueError("the image_builder sandbox needs a config: (\"image_builder\", \"sandbox.yaml\") naming the store")
+
+
+def sample_sandbox(store: str | Path, **config: Any) -> Callable[[str, Sample], SandboxEnvironmentSpec]:
+    """A `sandbox_config` for tasks that build each sample's sandbox spec (inspect_evals'
+    swe_bench): the sample's id is its instance (SWE-bench's ids are); `config`: the rest
+    of ImageBuilderConfig (network=, memory_mb=, ...)."""
+    base = ImageBuilderConfig(store=str(Path(store).resolve()), **config)
+
+    def spec(sandbox_type: str, sample: Sample) -> SandboxEnvironmentSpec:
+        return SandboxEnvironmentSpec(sandbox_type, base.model_copy(update={"instance": str(sample.id)}))
+    return spec
 
 
 @sandboxenv(name="image_builder")

@@ -31,6 +31,7 @@ per instance, one line each, and the rest is written.
 from __future__ import annotations
 
 import fnmatch
+import importlib.machinery
 import importlib.util
 import re
 import shlex
@@ -90,7 +91,7 @@ class Generated:
 def load_swebench() -> types.ModuleType:
     """swebench.harness.constants, without running the package's __init__ (4.x imports docker, the
     harness's imports datasets and modal): only the spec tables are needed."""
-    if "swebench.harness.constants" in sys.modules:  # loaded before (find_spec refuses our stub package)
+    if "swebench.harness.constants" in sys.modules:  # loaded before
         return sys.modules["swebench.harness.constants"]
     found = importlib.util.find_spec("swebench")
     if found is None or not found.submodule_search_locations:
@@ -98,9 +99,9 @@ def load_swebench() -> types.ModuleType:
                         "(or pip install --no-deps 'swebench>=3,<5')")
     root = Path(list(found.submodule_search_locations)[0])
     for name, where in (("swebench", root), ("swebench.harness", root / "harness")):
-        if name not in sys.modules:
-            stub = types.ModuleType(name)
-            stub.__path__ = [str(where)]
+        if name not in sys.modules:  # the package, its __init__ not run (find_spec still finds it: inspect_evals asks)
+            stub = importlib.util.module_from_spec(importlib.machinery.ModuleSpec(name, None, is_package=True))
+            stub.__path__ = stub.__spec__.submodule_search_locations = [str(where)]
             sys.modules[name] = stub
     try:
         import swebench.harness.constants as constants

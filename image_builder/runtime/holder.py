@@ -48,14 +48,16 @@ Sandboxes that outlive their command (runtime/sandbox.py; the holder keeps a cop
 each kept init's control socket, closed with its session unless parked):
   session -> holder  {"op": "park", "info": {...}}          answer {"id": ID}: the session's kept init
                      and its layers stay after the session closes, until stopped or idle
-  client -> holder   {"op": "attach", "id": ID}             answer {"info": {...}} + the control socket,
-                     once no other client holds it (the lease ends with this connection)
+  client -> holder   {"op": "attach", "id": ID}             answer {"info": {...}} + the control socket
+                     (the sandbox is "busy" while this connection lasts)
   client -> holder   {"op": "stop", "id": ID} / {"op": "list"}   answer {} / {"sandboxes": [...]}
 Session and init:
-  session -> init    encode_job(job) (format in init.c) + stdin, stdout, stderr (a big job:
-                     job_message(): its size + a memfd holding it)
+  session -> init    encode_job(job) (format in init.c) + stdin, stdout, stderr (a sandbox's: and
+                     the socket its answer goes to; a big job: job_message(): its size + a memfd
+                     holding it)
   init -> session    marshal {"exit_code", "signal", "timed_out", "peak_memory_kb", "out_of_memory",
-                     "reusable"} or {"error"}; after "reusable": true the session may send the next job
+                     "reusable"} or {"error"}; after "reusable": true the session may send the next
+                     job (a sandbox's jobs run side by side, each answered on its own socket)
 """
 
 from __future__ import annotations
@@ -125,17 +127,17 @@ def recv_fds(sock: socket.socket, maxfds: int = 8, flags: int = 0) -> tuple[dict
 
 DEFAULT_MAX_PROCESSES = 1024
 IDLE_INIT = 60.0  # seconds a ready init waits for its job before it leaves
-_JOB_HEADER = struct.Struct("<4sIIIqqqq")
+_JOB_HEADER = struct.Struct("<4sIIIqqq")
 # In the holder's socket name (holder_session.holder_name): a holder of an older image_builder,
 # still lingering after an upgrade, is not handed jobs in a format its inits do not read.
-PROTOCOL = "IBJ2"
+PROTOCOL = "IBJ3"
 
 
 def encode_job(job: dict) -> bytes:
     """A job (runtime.build_job) as image-builder-init reads it (the format is in init.c)."""
     parts = [_JOB_HEADER.pack(PROTOCOL.encode(), len(job["argv"]), len(job["env"]), len(job["files"]),
                               -1 if job["timeout"] is None else int(job["timeout"] * 1e6), job["memory_mb"] or 0,
-                              job["max_processes"], job.get("nonce", 0))]
+                              job["max_processes"])]
     for text in (job["workdir"], *job["argv"], *(f"{k}={v}" for k, v in job["env"].items()), *job["files"]):
         if "\0" in text:
             raise RunnerError(f"{text[:40]!r}: a NUL character cannot be passed to a command")
@@ -233,15 +235,13 @@ class _Session:
 
 
 class _Parked:
-    """A sandbox kept past its session (op "park"), leased to one client at a time."""
+    """A sandbox kept past its session (op "park"), for any of this user's clients to attach to."""
 
-    __slots__ = ("stack", "linger", "pid", "ctl", "info", "made", "lessee", "waiting")
+    __slots__ = ("stack", "linger", "pid", "ctl", "info", "made")
 
     def __init__(self, stack: _Mounted, linger: float, pid: int, ctl: socket.socket, info: dict):
         self.stack, self.linger, self.pid, self.ctl, self.info = stack, linger, pid, ctl, info
         self.made = time.time()
-        self.lessee: socket.socket | None = None
-        self.waiting: list[socket.socket] = []
 
 
 class Holder:
@@ -257,7 +257,7 @@ class Holder:
         self.sessions: dict[socket.socket, _Session] = {}
         self.inits: dict[int, _Init] = {}
         self.parked: dict[str, _Parked] = {}
-        self.leases: dict[socket.socket, str] = {}  # a client's connection -> the sandbox it holds
+        self.attached: dict[socket.socket, str] = {}  # a client's connection -> the sandbox it uses
         # A ready init (made when, its control socket) per lingering session spec: a fresh
         # process's session (`image-builder run`, once per command) starts on it instead of
         # waiting 10-20 ms for one to be started and set up (joining a cgroup waits for RCU).
@@ -555,7 +555,8 @@ class Holder:
     def _sandbox_op(self, conn: socket.socket, msg: dict) -> None:
         op = msg["op"]
         if op == "list":
-            send_fds(conn, {"sandboxes": [{"id": sid, "info": p.info, "made": p.made, "busy": p.lessee is not None}
+            busy = set(self.attached.values())
+            send_fds(conn, {"sandboxes": [{"id": sid, "info": p.info, "made": p.made, "busy": sid in busy}
                                           for sid, p in self.parked.items()]})
             return
         sid = str(msg.get("id"))
@@ -565,36 +566,11 @@ class Holder:
         if op == "stop":
             self._unpark(sid)
             send_fds(conn, {})
-        elif p.lessee is None:
-            self._lease(sid, conn)
-        else:
-            p.waiting.append(conn)  # answered when the one before lets go
-
-    def _lease(self, sid: str, conn: socket.socket) -> None:
-        p = self.parked[sid]
-        p.lessee = conn
-        self.leases[conn] = sid
-        try:
-            send_fds(conn, {"info": p.info}, [p.ctl.fileno()])
-        except OSError:  # it left while waiting: the next one
-            self._end_lease(conn)
-
-    def _end_lease(self, conn: socket.socket) -> None:
-        sid = self.leases.pop(conn, None)
-        for p in self.parked.values():
-            if conn in p.waiting:
-                p.waiting.remove(conn)
-        p = self.parked.get(sid) if sid else None
-        if p is not None and p.lessee is conn:
-            # A client that died mid-command takes its command with it, as a closed terminal would
-            # (the init ignores this when no command runs); the next client's comes after it.
-            try:
-                p.ctl.send(b"IBCX", socket.MSG_DONTWAIT)
-            except OSError:
-                pass
-            p.lessee = None
-            if p.waiting:
-                self._lease(sid, p.waiting.pop(0))
+            return
+        # Its commands go straight to its init, each answered on a socket of its own (init.c),
+        # so clients need not take turns; this connection only says the sandbox is in use.
+        self.attached[conn] = sid
+        send_fds(conn, {"info": p.info}, [p.ctl.fileno()])
 
     def _unpark(self, sid: str, ended: bool = False) -> None:
         """Stop a parked sandbox (`ended`: its init is already reaped; its pid may be another's now)."""
@@ -603,12 +579,6 @@ class Holder:
             os.kill(p.pid, signal.SIGKILL)  # pid 1 of its namespace: every process of the sandbox goes
         p.ctl.close()
         self._release(p.stack, p.linger)
-        for waiting in p.waiting:
-            try:
-                send_fds(waiting, {"error": f"sandbox {sid} was stopped"})
-            except OSError:
-                pass
-        p.waiting.clear()
 
     # -- the loop --
 
@@ -659,7 +629,7 @@ class Holder:
                 pass
         except EOFError:
             pass
-        self._end_lease(conn)
+        self.attached.pop(conn, None)
         if sess is not None:  # a session ends with its connection
             del self.sessions[conn]
             for _pid, ctl in sess.kept:  # its sandboxes end with it (the init sees EOF once the client's copy goes)

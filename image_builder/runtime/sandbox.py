@@ -18,7 +18,7 @@ there: an ext4 of `disk_mb` on a loop device (kernel backend; ENOSPC past it), o
 directory, uncapped (rootless: a loop device needs root). Either goes when the
 sandbox does (a rootless one a killed holder left, with the next sandbox made
 there). Commands run as root of the sandbox's user namespace, which maps no other
-user. Execs are taken one at a time (the init runs one job at a time).
+user. Execs may run side by side (from threads: an agent's parallel tool calls).
 
 When the holder or the init dies, the next call raises SandboxUnavailable instead
 of hanging: the init dies with its holder (PR_SET_PDEATHSIG) and the socket says so.
@@ -39,7 +39,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .execution import Bind, RunRequest, RunResult
-from .holder import DEFAULT_MAX_PROCESSES, encode_job, recv_fds, send_fds
+from .holder import DEFAULT_MAX_PROCESSES, encode_job, send_fds
 from .mounts import RunnerError
 from .session import (Backend, InstanceLayers, OutputCapped, Session, build_job, build_result, collect,
                       job_descriptors)
@@ -107,9 +107,6 @@ class Sandbox:
         self.layers, self.backend, self.network = layers, backend, network
         self.memory_mb, self.max_processes = memory_mb, max_processes
         self._lock = threading.Lock()
-        # Each job's, echoed in its answer (31 bits: the answer's ints are marshal's 32-bit ones); a random
-        # start, so that an answer left over from another process's job is not taken for ours.
-        self._nonce = int.from_bytes(os.urandom(3), "little")
 
     # -- kept past this process: `image-builder sandbox` --
 
@@ -129,8 +126,8 @@ class Sandbox:
 
     @classmethod
     def attach(cls, sandbox_id: str, *, backend: Backend | None = None, state_dir: Path | None = None):
-        """A kept sandbox (park()) to use from this process; waits while another process
-        uses it. close() lets go of it (stop_sandbox ends it)."""
+        """A kept sandbox (park()) to use from this process (others may use it at the same
+        time). close() lets go of it (stop_sandbox ends it)."""
         from .holder_session import NoHolder, holder_request
 
         backend, state_dir = _holder_of(backend, state_dir)
@@ -169,46 +166,43 @@ class Sandbox:
 
     def run(self, request: RunRequest) -> RunResult:
         """exec() of a RunRequest (the Executor interface graders use); the sandbox's own
-        memory limit and network stand for the request's, and its files are not written."""
+        memory limit and network stand for the request's, and its files are not written.
+        Safe to call from several threads at once: the commands run side by side."""
         if request.files:
             raise RunnerError("a sandbox's commands take no files: write_file() them first")
         request = replace(request, memory_mb=self.memory_mb, network=self.network)
         with self._lock:
             if self._ctl is None:
                 raise SandboxUnavailable("the sandbox is closed")
-            self._nonce = self._nonce % 0x7FFFFFFF + 1
-            job = encode_job({**build_job(self.layers, request, self.max_processes), "nonce": self._nonce})
-            return self._exec_locked(request, job, self._nonce)
-
-    def _exec_locked(self, request: RunRequest, job: bytes, nonce: int) -> RunResult:
+            ctl = self._ctl
+        job = encode_job(build_job(self.layers, request, self.max_processes))
         out_r = err_r = None
+        # The init answers each job on a socket of its own: answers to commands run side by
+        # side need no sorting out, and shutting it stops that command (init.c).
+        answer, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             msg, fds, out_r, err_r = job_descriptors(job, request.stdin)
             try:
                 t0 = time.monotonic()
                 try:
-                    send_fds(self._ctl, msg, fds)
+                    send_fds(ctl, msg, [*fds[:3], theirs.fileno(), *fds[3:]])
                 except OSError:
                     self._gone()
             finally:
+                theirs.close()
                 for fd in fds:
                     os.close(fd)
             deadline = None if request.timeout is None else t0 + request.timeout + _REPORT_GRACE
-            ours = lambda reply: reply.get("nonce") == nonce  # noqa: E731
             try:
-                got = collect(out_r, err_r, request.max_output, deadline, self._ctl, until_reply=True, accept=ours)
+                got = collect(out_r, err_r, request.max_output, deadline, answer, until_reply=True)
             except TimeoutError:
                 self._gone("it did not answer after the command's timeout")
-            except KeyboardInterrupt:
-                self._cancel(ours)
+            except BaseException:
+                _cancel(answer)  # a Ctrl-C, or a streamed run's output over its cap
                 raise
             wall = time.monotonic() - t0
-        except SandboxUnavailable:
-            raise
-        except BaseException:
-            self._drop()  # interrupted where the init's next answer cannot be told: start over
-            raise
         finally:
+            answer.close()
             for fd in (out_r, err_r):
                 if fd is not None:
                     os.close(fd)
@@ -222,22 +216,6 @@ class Sandbox:
 
     # stream(): run() with the output passed on as it comes (Session.stream, the same relay).
     stream = Session.stream
-
-    def _cancel(self, ours) -> None:
-        """Stop the running command (Ctrl-C): the init kills its process group and answers;
-        that answer is read here so the next command's is its own. A sandbox that does
-        not answer within 10 s is let go."""
-        try:
-            self._ctl.send(b"IBCX")
-            deadline = time.monotonic() + 10.0
-            while time.monotonic() < deadline:
-                if select.select([self._ctl], [], [], max(0.0, deadline - time.monotonic()))[0]:
-                    reply = recv_fds(self._ctl, 0)[0]
-                    if reply is None or ours(reply):
-                        return
-            self._drop()
-        except OSError:
-            self._drop()
 
     def _drop(self) -> None:
         ctl, self._ctl = self._ctl, None
@@ -357,6 +335,17 @@ def stop_sandbox(sandbox_id: str, *, backend: Backend | None = None, state_dir: 
     backend, state_dir = _holder_of(backend, state_dir)
     conn, _, _ = holder_request(state_dir, backend is Backend.KERNEL, {"op": "stop", "id": sandbox_id})
     conn.close()
+
+
+def _cancel(answer: socket.socket) -> None:
+    """Stop a running command: shut the job's answer socket, and the init kills its
+    process group (other commands run on); its answer is waited for up to 10 s, so that
+    it is gone when this returns."""
+    try:
+        answer.shutdown(socket.SHUT_WR)
+        select.select([answer], [], [], 10.0)
+    except OSError:
+        pass
 
 
 def _raise_for(r: RunResult, path: str) -> None:

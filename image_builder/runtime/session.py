@@ -211,12 +211,11 @@ class Captured:
 
 
 def collect(out_r: int, err_r: int, max_output: int, deadline: float | None,
-            conn: socket.socket | None = None, done=None, until_reply: bool = False, accept=None) -> Captured:
+            conn: socket.socket | None = None, done=None, until_reply: bool = False) -> Captured:
     """Drain stdout and stderr (keeping max_output bytes of each) until both close and,
     with `conn`, a reply arrived; TimeoutError at `deadline`. `until_reply`: stop at the
     reply with what was written by then (a sandbox's command has ended; what it left in
-    the background may hold the pipes open for long); `accept(reply)` false: not this
-job's reply (a sandbox's earlier job's, whose client gave up), waited past. `done()` is called while
+    the background may hold the pipes open for long). `done()` is called while
     nothing happens (the extract backend watches its command there). Inside
     Session.stream, the output goes to the stream's descriptors instead (stderr's tail
     kept), and OutputCapped is raised past max_output of either (0: no limit): the
@@ -253,8 +252,6 @@ job's reply (a sandbox's earlier job's, whose client gave up), waited past. `don
                     reply = recv_fds(conn, 0)[0]
                 except OSError:  # reset: no reply, as at EOF
                     reply = None
-                if reply is not None and accept is not None and not accept(reply):
-                    continue
                 got.reply = reply or got.reply
                 poller.unregister(fd)
                 pending -= 1

@@ -5,7 +5,8 @@ so a test can run it as another user.
     python inspect_eval.py CONFIG.yaml INSTANCE_ID PATCH_FILE TEST_PATCH_FILE TESTS_JSON LOG_DIR
 
 The agent looks around, applies PATCH_FILE with git, starts a server in the background
-and queries it in a later call, edits a file with text_editor, changes directory and
+and queries it in a later call, makes two bash calls at once (Inspect runs them side by
+side: one waits for a file the other makes), edits a file with text_editor, changes directory and
 environment in a bash_session and finds them in the next call, then stops. The scorer writes TEST_PATCH_FILE into the
 sandbox, applies it and runs the tests (a JSON list of pytest ids) there, as SWE-bench
 scores. Prints a JSON summary: the score, each tool output, and
@@ -20,10 +21,11 @@ from pathlib import Path
 
 from inspect_ai import Task, eval
 from inspect_ai.dataset import Sample
-from inspect_ai.model import ChatMessageTool, ModelOutput, ModelUsage, get_model
+from inspect_ai.model import (ChatCompletionChoice, ChatMessageAssistant, ChatMessageTool, ModelOutput, ModelUsage,
+                              get_model)
 from inspect_ai.scorer import CORRECT, INCORRECT, Score, Target, accuracy, scorer
 from inspect_ai.solver import TaskState, generate, use_tools
-from inspect_ai.tool import bash, bash_session, text_editor
+from inspect_ai.tool import ToolCall, bash, bash_session, text_editor
 from inspect_ai.util import sandbox
 
 SERVER = "python3 -m http.server 8431 --bind 127.0.0.1 >/tmp/server.log 2>&1 & echo started"
@@ -44,6 +46,11 @@ def main() -> int:
              f"cat > /tmp/fix.patch <<'IB_EOF'\n{patch}IB_EOF\ngit apply /tmp/fix.patch && echo applied",
              SERVER, QUERY]
     outputs = [_usage(ModelOutput.for_tool_call("mockllm/model", "bash", {"command": s})) for s in steps]
+    # Parallel tool calls (one message, two calls): the first waits in the foreground for the second.
+    pair = [ToolCall(id=f"pair-{i}", function="bash", arguments={"command": c})
+            for i, c in enumerate(["until [ -e /tmp/go ]; do sleep 0.05; done; echo waited", "touch /tmp/go; echo made"])]
+    outputs.append(_usage(ModelOutput(model="mockllm/model", choices=[ChatCompletionChoice(
+        message=ChatMessageAssistant(content="", tool_calls=pair, model="mockllm/model"), stop_reason="tool_calls")])))
     # text_editor(): Inspect injects its own tool-support program (bundled with inspect_ai) through
     # the provider's write_file and exec, and starts its server in the background of the sandbox.
     edits = [{"command": "create", "path": "/testbed/NOTES.md", "file_text": "first line\nsecond line\n"},

@@ -6,6 +6,8 @@ another user (setpriv) and kill its holder in the middle.
 scenario: {"layers": {"env_sif", "overlays", "env", "workdir"}, "backend", "state_dir",
 "sandbox": Sandbox keywords, "steps": [[op, {keywords}]...]}; ops: exec (exec's keywords,
 input as base64), read_file / write_file (data as base64) / download, sleep {seconds},
+together {steps: [[op, {keywords}, delay]...]} (each step in a thread of its own, started
+`delay` seconds in; a list of their lines),
 kill_holder (SIGKILL to the mount holder), host_files {path} (what is below a host path:
 relative name -> size), close. A step's line: {"ok": result} or
 {"error": exception type, "message"}; exec's result is RunResult's fields, bytes as base64.
@@ -18,6 +20,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -56,7 +59,27 @@ def _step(box: Sandbox, op: str, kw: dict):
         return {str(p.relative_to(kw["path"])): p.stat().st_size for p in Path(kw["path"]).rglob("*") if p.is_file()}
     if op == "close":
         return box.close()
+    if op == "together":
+        lines: list[dict | None] = [None] * len(kw["steps"])
+
+        def one(i: int, op: str, kw: dict, delay: float) -> None:
+            time.sleep(delay)
+            lines[i] = _line(box, op, kw)
+
+        threads = [threading.Thread(target=one, args=(i, *step)) for i, step in enumerate(kw["steps"])]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return lines
     raise ValueError(op)
+
+
+def _line(box: Sandbox, op: str, kw: dict) -> dict:
+    try:
+        return {"ok": _step(box, op, dict(kw))}
+    except Exception as e:  # the test reads which one
+        return {"error": type(e).__name__, "message": str(e)}
 
 
 def main() -> int:
@@ -68,11 +91,7 @@ def main() -> int:
     print(json.dumps({"ok": box._session._holder_pid}), flush=True)
     try:
         for op, kw in sc["steps"]:
-            try:
-                line = {"ok": _step(box, op, dict(kw))}
-            except Exception as e:  # the test reads which one
-                line = {"error": type(e).__name__, "message": str(e)}
-            print(json.dumps(line), flush=True)
+            print(json.dumps(_line(box, op, kw)), flush=True)
     finally:
         box.close()
     return 0

@@ -17,15 +17,18 @@
  *         "joined": one job from fd 3, run on this process's stdin/stdout/stderr in the
  *         caller's session (a shell keeps its terminal); exit with its status;
  *         "sandbox": as "session", but the root is kept from job to job (an agent's
- *         sandbox, runtime/sandbox.py): what a job starts in the background keeps running
- *         after it, a timeout kills the job's process group only, and IDLE_SECONDS is the
- *         wait for each next job, not only the first.
+ *         sandbox, runtime/sandbox.py) and jobs run side by side, each answered on a socket
+ *         of its own that comes with it: what a job starts in the background keeps running
+ *         after it, a timeout kills the job's process group only, as does the client's
+ *         shutting or closing its end of the answer's socket (its Ctrl-C, or its death), and
+ *         IDLE_SECONDS is the wait for each next job while none runs, not only the first.
  *   "" stands for none, NETNS_FD -1 for none. Paths are the holder's mount namespace's.
  *
- * A job (holder.encode_job), little-endian: "IBJ2", u32 nargv, u32 nenv, u32 nfiles,
+ * A job (holder.encode_job), little-endian: "IBJ3", u32 nargv, u32 nenv, u32 nfiles,
  * i64 timeout in microseconds (-1: none), i64 memory MB (0: none), i64 max processes,
- * i64 nonce (echoed in the answer), then workdir, argv and env ("K=V") NUL-terminated, then per file: path NUL, u64
- * length, bytes. Too big for a message: "IBJP" + u64 length, the job in a 4th fd.
+ * then workdir, argv and env ("K=V") NUL-terminated, then per file: path NUL, u64
+ * length, bytes. Too big for a message: "IBJP" + u64 length, the job in the last fd (after
+ * stdin, stdout, stderr and, to a sandbox, the answer's socket).
  * The answer is a marshal dict, which the session loads as is.
  */
 #define _GNU_SOURCE
@@ -89,7 +92,7 @@ struct spec {
 };
 
 struct job {
-    int64_t timeout_us, memory_mb, max_processes, nonce;
+    int64_t timeout_us, memory_mb, max_processes;
     char *workdir, **argv, **env;
     uint32_t nfiles;
     char *files; /* path NUL, u64 length, bytes; checked by decode_job */
@@ -670,14 +673,13 @@ static int take_strings(char **at, char *end, char **out, uint32_t n) {
 /* Check and index a job's bytes (kept in `data`, which the job points into). */
 static int decode_job(char *data, size_t len, struct job *j) {
     uint32_t counts[3];
-    char *at = data + 48, *end = data + len;
-    if (len < 48 || memcmp(data, "IBJ2", 4))
+    char *at = data + 40, *end = data + len;
+    if (len < 40 || memcmp(data, "IBJ3", 4))
         return fail("bad job message (image-builder versions mixed? restart the holder)");
     memcpy(counts, data + 4, sizeof counts);
     memcpy(&j->timeout_us, data + 16, 8);
     memcpy(&j->memory_mb, data + 24, 8);
     memcpy(&j->max_processes, data + 32, 8);
-    memcpy(&j->nonce, data + 40, 8);
     if (counts[0] < 1 || counts[0] > len || counts[1] > len || counts[2] > len)
         return fail("bad job message: counts");
     j->argv = calloc(counts[0] + 1, sizeof(char *));
@@ -813,13 +815,15 @@ static void end_all(void) {
         ;
 }
 
-/* As pid 1 of the run: start the command and wait for it; on timeout kill every process
-   here. 0: done; 1: the session went away (every process killed, nobody to tell);
-   -1: error[] says why the command could not be started. */
-static int run_job(const struct spec *s, const struct job *j, const int stdio[3], int cgroup, struct result *r) {
+/* Start a job's command: its files, workdir and limits, then the command, in a session of
+   its own unless joined; the command's stdio are closed here once passed on. 0 with *pid
+   (0 when the command could not be started: r->exit_code is 126 or 127, the reason went to
+   its stderr); -1: error[] says why, and the stdio are the caller's to close. */
+static int start_job(const struct spec *s, const struct job *j, const int stdio[3], int cgroup, pid_t *pid,
+                     struct result *r) {
     char exe[PATH_MAX];
     int memory_in_cgroup = 0, e;
-    pid_t pid;
+    *pid = 0;
     *r = (struct result){-1, -1, 0, -1, -1};
     if (write_files(j))
         return -1;
@@ -850,20 +854,42 @@ static int run_job(const struct spec *s, const struct job *j, const int stdio[3]
                                           (s->joined ? 0 : POSIX_SPAWN_SETSID));
         posix_spawnattr_setsigdefault(&at, &all);
         posix_spawnattr_setsigmask(&at, &empty);
-        e = posix_spawn(&pid, exe, &fa, &at, j->argv, j->env);
+        e = posix_spawn(pid, exe, &fa, &at, j->argv, j->env);
         posix_spawn_file_actions_destroy(&fa);
         posix_spawnattr_destroy(&at);
     }
-    if (e)
+    if (e) {
+        *pid = 0;
         dprintf(s->joined ? 2 : stdio[2], "image-builder: cannot run '%s': %s\n", j->argv[0],
                 e == ENOENT ? "command not found" : strerror(e));
+        r->exit_code = e == ENOENT ? 127 : 126;
+    }
     if (!s->joined)
         for (int i = 0; i < 3; i++) /* the command has them: their EOF must not wait for this init */
             close(stdio[i]);
-    if (e) {
-        r->exit_code = e == ENOENT ? 127 : 126;
+    return 0;
+}
+
+/* How a command that ended with `status` did. */
+static void job_result(int status, const struct rusage *ru, int cgroup, struct result *r) {
+    if (WIFEXITED(status))
+        r->exit_code = WEXITSTATUS(status);
+    if (WIFSIGNALED(status))
+        r->sig = WTERMSIG(status);
+    r->peak_kb = ru->ru_maxrss;
+    if (cgroup >= 0)
+        cgroup_verdict(cgroup, r);
+}
+
+/* As pid 1 of the run: start the command and wait for it; on timeout kill every process
+   here. 0: done; 1: the session went away (every process killed, nobody to tell);
+   -1: error[] says why the command could not be started. */
+static int run_job(const struct spec *s, const struct job *j, const int stdio[3], int cgroup, struct result *r) {
+    pid_t pid;
+    if (start_job(s, j, stdio, cgroup, &pid, r))
+        return -1;
+    if (!pid)
         return 0;
-    }
     struct pollfd fds[2] = {{children, POLLIN, 0}, {CTL, POLLIN, 0}};
     int64_t deadline = j->timeout_us < 0 ? -1 : now_us() + j->timeout_us;
     int status = 0, done = 0;
@@ -874,22 +900,6 @@ static int run_job(const struct spec *s, const struct job *j, const int stdio[3]
         int n = poll(fds, s->joined ? 1 : 2, wait);
         if (n < 0 && errno == EINTR)
             continue;
-        if (n > 0 && (fds[1].revents & POLLHUP)) { /* every holder of the socket is gone */
-            kill(-1, SIGKILL);
-            return 1;
-        }
-        if (n > 0 && fds[1].revents && s->keep) {
-            /* A sandbox's client may cancel the job ("IBCX": its Ctrl-C), or a next client may
-               already have sent its job (the last one gave up waiting): that one waits its turn. */
-            char head[4];
-            ssize_t got = recv(CTL, head, sizeof head, MSG_PEEK | MSG_DONTWAIT);
-            if (got == 4 && !memcmp(head, "IBCX", 4)) {
-                recv(CTL, head, sizeof head, MSG_DONTWAIT);
-                kill(-pid, SIGKILL);
-            } else
-                fds[1].events = 0;
-            continue;
-        }
         if (n > 0 && fds[1].revents) { /* the session sends nothing while a job runs: readable means gone */
             kill(-1, SIGKILL);
             return 1;
@@ -906,24 +916,15 @@ static int run_job(const struct spec *s, const struct job *j, const int stdio[3]
                     break;
                 }
         } else if (deadline >= 0 && now_us() >= deadline) {
-            /* From pid 1, kill(-1) reaches every process of this pid namespace; a kept root
-               loses only the job's own process group (its setsid session). */
-            kill(s->keep ? -pid : -1, SIGKILL);
+            kill(-1, SIGKILL); /* from pid 1: every process of this pid namespace */
             r->timed_out = 1;
             while (wait4(pid, &status, 0, &ru) < 0 && errno == EINTR)
                 ;
             done = 1;
         }
     }
-    if (!s->keep)
-        end_all();
-    if (WIFEXITED(status))
-        r->exit_code = WEXITSTATUS(status);
-    if (WIFSIGNALED(status))
-        r->sig = WTERMSIG(status);
-    r->peak_kb = ru.ru_maxrss;
-    if (cgroup >= 0)
-        cgroup_verdict(cgroup, r);
+    end_all();
+    job_result(status, &ru, cgroup, r);
     return 0;
 }
 
@@ -959,14 +960,24 @@ static void m_bool(struct answer *a, const char *key, int v) { /* -1: None */
     a->data[a->len++] = v < 0 ? 'N' : v ? 'T' : 'F';
 }
 
-static int send_answer(struct answer *a) {
+static int send_answer(int fd, struct answer *a) {
     a->data[a->len++] = '0'; /* the dict's end */
-    return send(CTL, a->data, a->len, MSG_NOSIGNAL) == (ssize_t)a->len ? 0 : -1;
+    return send(fd, a->data, a->len, MSG_NOSIGNAL) == (ssize_t)a->len ? 0 : -1;
 }
 
-static void send_error(int64_t nonce) {
+static int send_result(int fd, const struct result *r, int reusable) {
     struct answer a = {.data = "{", .len = 1};
-    m_int(&a, "nonce", nonce, 0);
+    m_int(&a, "exit_code", r->exit_code, r->exit_code < 0);
+    m_int(&a, "signal", r->sig, r->sig < 0);
+    m_bool(&a, "timed_out", r->timed_out);
+    m_int(&a, "peak_memory_kb", r->peak_kb, r->peak_kb < 0);
+    m_bool(&a, "out_of_memory", r->oom);
+    m_bool(&a, "reusable", reusable);
+    return send_answer(fd, &a);
+}
+
+static void send_error(int fd) {
+    struct answer a = {.data = "{", .len = 1};
     size_t n = strlen(error);
     int32_t len = (int32_t)n;
     m_key(&a, "error");
@@ -975,36 +986,20 @@ static void send_error(int64_t nonce) {
     a.len += 4;
     for (size_t i = 0; i < n; i++) /* valid UTF-8 whatever a path held */
         a.data[a.len++] = (unsigned char)error[i] < 0x80 ? error[i] : '?';
-    send_answer(&a);
+    send_answer(fd, &a);
 }
 
 /* --- the job loop ----------------------------------------------------------------------------- */
 
-/* One job message: its bytes (inline, or from the memfd a big job comes in) and the
-   command's stdin, stdout, stderr. 0, 1 at EOF or idle, -1 on a bad message. */
-static int receive(const struct spec *s, char **data, size_t *len, int *owned, int stdio[3]) {
+/* One job message: its bytes (inline, or from the memfd a big job comes in) with the
+   command's stdin, stdout and stderr and, to a sandbox, the socket its answer goes to.
+   0, 1 at EOF, -1 on a bad message. */
+static int read_message(const struct spec *s, char **data, size_t *len, int *owned, int stdio[3], int *answer) {
     static char message[MAX_MESSAGE];
     char control[CMSG_SPACE(MAX_FDS * sizeof(int))];
     int fds[MAX_FDS], nfds = 0;
-    struct pollfd p = {CTL, POLLIN, 0};
     struct iovec iov = {message, sizeof message};
     struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control, .msg_controllen = sizeof control};
-    if (s->keep) { /* between a sandbox's jobs, what they left in the background ends: reap it */
-        struct pollfd both[2] = {{CTL, POLLIN, 0}, {children, POLLIN, 0}};
-        for (int64_t until = now_us() + (int64_t)s->idle_ms * 1000; !both[0].revents;) {
-            int64_t left = until - now_us();
-            if (left <= 0 || (poll(both, 2, (int)(left / 1000) + 1) < 0 && errno != EINTR))
-                return 1;
-            if (both[1].revents) {
-                struct signalfd_siginfo info;
-                while (read(children, &info, sizeof info) > 0)
-                    ;
-                while (waitpid(-1, NULL, WNOHANG) > 0)
-                    ;
-            }
-        }
-    } else if (!s->joined && poll(&p, 1, s->idle_ms) <= 0)
-        return 1; /* a spare nobody used: a session kept open holds nothing for long */
     ssize_t n = recvmsg(CTL, &msg, MSG_CMSG_CLOEXEC);
     if (n <= 0)
         return 1;
@@ -1013,21 +1008,21 @@ static int receive(const struct spec *s, char **data, size_t *len, int *owned, i
             nfds = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
             memcpy(fds, CMSG_DATA(c), nfds * sizeof(int));
         }
-    if (s->keep && n == 4 && !memcmp(message, "IBCX", 4)) { /* a cancel with no job running: nothing to do */
+    int big = n == 12 && !memcmp(message, "IBJP", 4), used = (s->joined ? 0 : 3) + s->keep + big;
+    if ((msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) || nfds < used) {
         for (int i = 0; i < nfds; i++)
             close(fds[i]);
-        return receive(s, data, len, owned, stdio);
-    }
-    int big = n == 12 && !memcmp(message, "IBJP", 4), used = (s->joined ? 0 : 3) + big;
-    if ((msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) || nfds < used)
         return fail("bad job message: truncated, or descriptors missing");
+    }
     for (int i = used; i < nfds; i++) /* more than a job comes with: not kept in a reused init */
         close(fds[i]);
     for (int i = 0; i < 3; i++)
         stdio[i] = s->joined ? i : fds[i];
+    if (s->keep)
+        *answer = fds[3];
     if (big) {
         uint64_t size;
-        int payload = fds[s->joined ? 0 : 3];
+        int payload = fds[used - 1];
         memcpy(&size, message + 4, 8);
         if (!(*data = malloc(size ? size : 1)) || pread(payload, *data, size, 0) != (ssize_t)size)
             return fail("cannot read the job: %s", strerror(errno));
@@ -1038,6 +1033,154 @@ static int receive(const struct spec *s, char **data, size_t *len, int *owned, i
     }
     *data = message;
     *len = n;
+    return 0;
+}
+
+/* A session's next job, within the idle time of a spare nobody used (a session kept open
+   holds nothing for long); as read_message. */
+static int receive(const struct spec *s, char **data, size_t *len, int *owned, int stdio[3]) {
+    struct pollfd p = {CTL, POLLIN, 0};
+    if (!s->joined && poll(&p, 1, s->idle_ms) <= 0)
+        return 1;
+    return read_message(s, data, len, owned, stdio, NULL);
+}
+
+/* The rest of the root, at the first job (finish_root); then this init is made
+   non-dumpable. 0, or -1 with error[] set. */
+static int first_job(const struct spec *s, const struct job *j, int scratch[3]) {
+    if (finish_root(s, j, scratch))
+        return -1;
+    for (int i = 0; i < 3; i++)
+        if (scratch[i] >= 0)
+            close(scratch[i]);
+    /* The command runs as the same uid as this init: it could ptrace the init (or read
+       /proc/1/fd) and forge the answer. Non-dumpable, the init can only be traced with
+       CAP_SYS_PTRACE in the namespace its memory was made in: the host's. (Not before
+       finish_root: its own /proc files become root's, uid_map included.) */
+    prctl(PR_SET_DUMPABLE, 0);
+    return 0;
+}
+
+/* --- a sandbox: its root kept, its jobs side by side ------------------------------------- */
+
+/* Jobs run at once: Inspect runs an agent's parallel tool calls together, and one call may
+   wait in the foreground for a server another call starts. Each job comes with the socket
+   its answer goes to, so answers need no sorting out at the client, and a client that
+   gives up on its job (Ctrl-C, or killed) says so by shutting that socket: the job's
+   process group is killed. */
+#define MAX_JOBS 64
+
+struct running {
+    pid_t pid;
+    int answer, timed_out, killed; /* killed: its process group, at its timeout or its client's going */
+    int64_t deadline; /* now_us()'s, -1 for none */
+};
+
+/* Take a job: build the rest of the root at the first, start its command, or answer its
+   error. Whether the sandbox can go on (not when its root could not be built). */
+static int take_job(const struct spec *s, int setup, int cgroup, int scratch[3], int *finished,
+                    int64_t *sized_for, struct running *jobs, int *njobs) {
+    char *data = NULL;
+    size_t len = 0;
+    int stdio[3] = {-1, -1, -1}, answer = -1, owned = 0, ok;
+    struct job j = {0};
+    struct result r;
+    pid_t pid = 0;
+    int got = read_message(s, &data, &len, &owned, stdio, &answer);
+    if (got == 1)
+        return 0;
+    ok = !got && !setup && !decode_job(data, len, &j);
+    if (ok && !*finished) {
+        ok = !first_job(s, &j, scratch);
+        *finished = ok;
+        *sized_for = j.memory_mb;
+    } else if (ok && j.memory_mb != *sized_for) /* its tmpfs are sized once */
+        ok = !fail("this sandbox's tmpfs are sized for a memory limit of %lld MB, not %lld", (long long)*sized_for,
+                   (long long)j.memory_mb);
+    if (ok && *njobs == MAX_JOBS)
+        ok = !fail("%d commands run in this sandbox already; wait for one to end", MAX_JOBS);
+    if (ok && !start_job(s, &j, stdio, cgroup, &pid, &r)) {
+        if (pid) {
+            jobs[(*njobs)++] = (struct running){pid, answer, 0, 0,
+                                                j.timeout_us < 0 ? -1 : now_us() + j.timeout_us};
+            answer = -1;
+        } else
+            send_result(answer, &r, 1);
+    } else {
+        send_error(answer);
+        for (int i = 0; i < 3; i++) /* start_job had not passed them on */
+            if (stdio[i] >= 0)
+                close(stdio[i]);
+    }
+    error[0] = 0;
+    if (answer >= 0)
+        close(answer);
+    free(j.argv);
+    free(j.env);
+    if (owned)
+        free(data);
+    return *finished;
+}
+
+/* Until the session hangs up, or no job comes for the idle time: then every process of
+   the sandbox ends with this init (pid 1). What a job leaves in the background runs on
+   and is reaped as it ends; a job's timeout kills its process group only. */
+static int serve_sandbox(const struct spec *s, int setup, int cgroup, int scratch[3]) {
+    struct running jobs[MAX_JOBS];
+    struct pollfd p[2 + MAX_JOBS];
+    int njobs = 0, finished = 0;
+    int64_t sized_for = 0, idle_until = now_us() + (int64_t)s->idle_ms * 1000;
+    for (;;) {
+        int64_t now = now_us(), next = njobs ? -1 : idle_until;
+        p[0] = (struct pollfd){CTL, POLLIN, 0};
+        p[1] = (struct pollfd){children, POLLIN, 0};
+        for (int i = 0; i < njobs; i++) { /* a client's end of the answer's socket: shut means given up */
+            p[2 + i] = (struct pollfd){jobs[i].killed ? -1 : jobs[i].answer, POLLIN, 0};
+            if (jobs[i].deadline >= 0 && !jobs[i].killed && (next < 0 || jobs[i].deadline < next))
+                next = jobs[i].deadline;
+        }
+        int wait = next < 0 ? -1 : next <= now ? 0 : (next - now) / 1000 + 1 > INT_MAX ? INT_MAX
+                                                                                    : (int)((next - now) / 1000 + 1);
+        if (poll(p, 2 + njobs, wait) < 0 && errno != EINTR)
+            break;
+        now = now_us();
+        for (int i = 0; i < njobs; i++) {
+            int late = jobs[i].deadline >= 0 && now >= jobs[i].deadline;
+            if (!jobs[i].killed && (p[2 + i].revents || late)) {
+                kill(-jobs[i].pid, SIGKILL); /* its setsid session: what earlier jobs left runs on */
+                jobs[i].killed = 1;
+                jobs[i].timed_out = late && !p[2 + i].revents;
+            }
+        }
+        if (p[0].revents & (POLLHUP | POLLERR)) /* every holder of the socket is gone */
+            break;
+        if (p[0].revents & POLLIN) {
+            if (!take_job(s, setup, cgroup, scratch, &finished, &sized_for, jobs, &njobs))
+                break;
+            idle_until = now_us() + (int64_t)s->idle_ms * 1000;
+        }
+        if (p[1].revents) { /* reap every child that ended: a job's command, or an orphan */
+            struct signalfd_siginfo info;
+            struct rusage ru;
+            int status;
+            while (read(children, &info, sizeof info) > 0)
+                ;
+            for (pid_t pid; (pid = wait4(-1, &status, WNOHANG, &ru)) > 0;)
+                for (int i = 0; i < njobs; i++)
+                    if (jobs[i].pid == pid) {
+                        struct result r = {-1, -1, jobs[i].timed_out, -1, -1};
+                        job_result(status, &ru, cgroup, &r);
+                        send_result(jobs[i].answer, &r, 1);
+                        close(jobs[i].answer);
+                        jobs[i] = jobs[--njobs];
+                        idle_until = now_us() + (int64_t)s->idle_ms * 1000;
+                        break;
+                    }
+        }
+        if (!njobs && now_us() >= idle_until)
+            break;
+    }
+    kill(-1, SIGKILL);
     return 0;
 }
 
@@ -1085,6 +1228,8 @@ int main(int argc, char **argv) {
         snprintf(why, sizeof why, "%.*s", (int)sizeof why - 1, error);
         snprintf(error, sizeof error, "cannot build the instance's root: %s", why);
     }
+    if (s.keep)
+        return serve_sandbox(&s, setup, cgroup, scratch);
     struct buf pristine = {0}, now = {0};
     size_t pristine_top = 0;
     int may_reuse = scratch_emptiable(&s); /* whether this root can serve a next run at all */
@@ -1098,21 +1243,10 @@ int main(int argc, char **argv) {
         if (got > 0)
             return 0; /* EOF: the init was not needed, or the session is done with it */
         if (!got && !setup && !decode_job(data, len, &j)) {
-            if (!finished && !finish_root(&s, &j, scratch)) {
+            if (!finished && !first_job(&s, &j, scratch)) {
                 finished = 1;
                 sized_for = j.memory_mb;
-                for (int i = 0; i < 3; i++)
-                    if (scratch[i] >= 0)
-                        close(scratch[i]);
-                /* The command runs as the same uid as this init: it could ptrace the init (or
-                   read /proc/1/fd) and forge the answer. Non-dumpable, the init can only be
-                   traced with CAP_SYS_PTRACE in the namespace its memory was made in: the
-                   host's. (Not before finish_root: its own /proc files become root's, uid_map
-                   included.) */
-                prctl(PR_SET_DUMPABLE, 0);
-                if (s.keep)
-                    may_reuse = 0; /* a kept root goes on as it is: nothing to compare */
-                else if (mark_layer(&pristine, upper, 0, NULL))
+                if (mark_layer(&pristine, upper, 0, NULL))
                     may_reuse = 0;
                 pristine_top = pristine.len;
                 traces(&pristine, mqueues);
@@ -1134,14 +1268,7 @@ int main(int argc, char **argv) {
             return r.exit_code >= 0 ? r.exit_code : 128 + r.sig;
         }
         if (ran < 0) /* a setup error is answered to the first job */
-            send_error(j.nonce);
-        if (ran < 0 && s.keep && finished) { /* a job's own error (its workdir, say): the sandbox goes on */
-            error[0] = 0;
-            for (int i = 0; i < 3; i++) /* run_job had not passed them on */
-                if (stdio[i] >= 0)
-                    close(stdio[i]);
-            continue;
-        }
+            send_error(CTL);
         if (ran)
             return 0;
         /* A run that left its root as it found it (it wrote nothing but in /tmp or /dev/shm,
@@ -1156,15 +1283,7 @@ int main(int argc, char **argv) {
                 reusable = now.len == pristine.len && !memcmp(now.data, pristine.data, now.len);
             }
         }
-        struct answer a = {.data = "{", .len = 1};
-        m_int(&a, "exit_code", r.exit_code, r.exit_code < 0);
-        m_int(&a, "signal", r.sig, r.sig < 0);
-        m_bool(&a, "timed_out", r.timed_out);
-        m_int(&a, "peak_memory_kb", r.peak_kb, r.peak_kb < 0);
-        m_bool(&a, "out_of_memory", r.oom);
-        m_bool(&a, "reusable", reusable || s.keep);
-        m_int(&a, "nonce", j.nonce, 0);
-        if (send_answer(&a) || !(reusable || s.keep))
+        if (send_result(CTL, &r, reusable) || !reusable)
             return 0;
     }
 }
