@@ -1022,14 +1022,15 @@ static int read_message(const struct spec *s, char **data, size_t *len, int *own
         *answer = fds[3];
     if (big) {
         uint64_t size;
-        int payload = fds[used - 1];
+        int payload = fds[used - 1], e = 0;
         memcpy(&size, message + 4, 8);
+        errno = 0; /* a short read sets none */
         if (!(*data = malloc(size ? size : 1)) || pread(payload, *data, size, 0) != (ssize_t)size)
-            return fail("cannot read the job: %s", strerror(errno));
+            e = errno ? errno : EIO;
         close(payload);
         *len = size;
-        *owned = 1;
-        return 0;
+        *owned = *data != NULL;
+        return e ? fail("cannot read the job: %s", strerror(e)) : 0;
     }
     *data = message;
     *len = n;
