@@ -261,6 +261,23 @@ def test_each_way_of_making_an_overlay_makes_the_same(imported, registries, publ
         assert _overlay_listing(rootless / "store", rec.sqfs) == want, iid
 
 
+def test_whiteouts_get_a_fixed_time_whenever_they_are_made(tmp_path):
+    """The whiteouts of an import's overlay (the kernel's, made as the import runs; ours, for
+    what an opaque directory hides) get a fixed time: the same layers make the same overlay
+    whenever they are imported (two imports a minute apart listed different times before)."""
+    from image_builder.pack.overlay import OPAQUE_MARKER, normalise_upper
+
+    upper = tmp_path / "upper"
+    (upper / "etc").mkdir(parents=True)
+    (upper / "opaque").mkdir()
+    os.mknod(upper / "etc" / "gone", stat.S_IFCHR, os.makedev(0, 0))  # as the kernel's overlay makes one
+    (upper / "opaque" / OPAQUE_MARKER).touch()
+    normalise_upper(upper, lambda rel: ["hidden"] if rel == "opaque" else [])
+    for path in (upper / "etc" / "gone", upper / "opaque" / "hidden"):
+        st = path.lstat()
+        assert stat.S_ISCHR(st.st_mode) and st.st_rdev == 0 and st.st_mtime_ns == 0, (path, st)
+
+
 def test_shards_split_as_one_import_and_merge_into_the_same_index(imported, registries, tmp_path):
     refs, args, _ = imported
     one = Store.open(tmp_path / "store").index

@@ -43,6 +43,13 @@ def is_whiteout(st: os.stat_result) -> bool:
 
 def _whiteout(path: Path) -> None:
     os.mknod(path, stat.S_IFCHR | 0o000, os.makedev(0, 0))
+    _fixed_time(str(path))
+
+
+def _fixed_time(path: str) -> None:
+    """A whiteout's time: fixed, not when it was made (by us or by the kernel's overlay),
+    so that the same layers make the same overlay to the byte, whenever."""
+    os.utime(path, ns=(0, 0), follow_symlinks=False)
 
 
 def _overlay_xattrs(path: str) -> list[str]:
@@ -81,6 +88,7 @@ def normalise_upper(upper: Path, lower_children: Callable[[str], list[str]]) -> 
                     whiteouts += 1
                 continue
             if is_whiteout(os.lstat(path)):
+                _fixed_time(path)
                 whiteouts += 1
             else:
                 for attr in _overlay_xattrs(path):
