@@ -923,13 +923,16 @@ def sandbox_diff(sandbox_id, backend):
 
 @sandbox_group.command(name="score")
 @click.argument("sandbox_id")
+@click.option("--in-place", is_flag=True,
+              help="Grade in the sandbox itself, as ImpossibleBench's scorer does: what the agent installed or "
+                   "left running takes part (and can touch the verdict). Not with --access hidden.")
 @sandbox_backend_option
 @_one_line_errors
-def sandbox_score(sandbox_id, backend):
+def sandbox_score(sandbox_id, in_place, backend):
     """Grade the sandbox's diff in a fresh instance (started with --tasks); prints the feedback its access
     mode allows. Exit status 0 when resolved, 1 when not."""
     with _attach(sandbox_id, backend) as box:
-        got = box.score()
+        got = box.score(in_place=in_place)
     click.echo(got.feedback)
     sys.exit(0 if got.result.passed else 1)
 

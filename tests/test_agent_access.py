@@ -69,6 +69,29 @@ def test_the_honest_fix_is_resolved_in_every_mode_and_scores_are_bounded(marshma
             box.score()
 
 
+def test_scoring_in_place_runs_in_the_agents_sandbox_and_gives_its_workspace_back(marshmallow_store, tmp_path):
+    """score(in_place=True), as ImpossibleBench's own scorer grades: the same grader on the
+    same diff, but what the agent installed outside its workdir takes part (a startup hook
+    that ends every Python run), and afterwards the workspace is the agent's again."""
+    task = _task("marshmallow-code__marshmallow-1359")
+    with open_sandbox(marshmallow_store, task=task, access="read-only", state_dir=tmp_path) as box:
+        box.write_file("/tmp/gold.patch", task.gold_patch)
+        assert box.exec(["git", "apply", "/tmp/gold.patch"]).exit_code == 0
+        box.write_file("notes/new.txt", "an untracked file\n")
+        before = box.diff()
+        placed = box.score(in_place=True)
+        assert placed.result.passed, placed.feedback[-3000:]
+        assert placed.submission == before and box.diff() == before, "the agent's workspace comes back as it was"
+        site = box.exec(["python3", "-c", "import site; print(site.getsitepackages()[0])"]).stdout.decode().strip()
+        box.write_file(f"{site}/zz_agent.pth", "import os; os._exit(3)\n")
+        assert not box.score(in_place=True).result.passed, "in place, what the agent installed takes part"
+        assert box.score().result.passed, "a fresh instance has none of it"
+        assert box.diff() == before
+    with open_sandbox(marshmallow_store, task=task, access="hidden", state_dir=tmp_path) as box:
+        with pytest.raises(RunnerError, match="hidden tests are scored out of the agent's reach"):
+            box.score(in_place=True)
+
+
 @pytest.mark.parametrize("access", ["open", "read-only", "hidden"])
 def test_function_tasks_are_scored_by_the_graders_tests_not_the_agents_copy(mbpp_store, tmp_path, access):
     """MBPP in an agent sandbox: the agent sees the cases (but in hidden mode), empties its copy and

@@ -112,16 +112,19 @@ def test_inspect_evals_swe_bench_task_runs_on_the_store(public_store, public_dir
 IMPOSSIBLE = Path(__file__).parent / "support" / "inspect_impossible.py"
 
 
-@pytest.mark.parametrize("access, user, score", [("open", None, "C"), ("read-only", None, "I"), ("hidden", None, "I"),
-                                                 ("read-only", NOBODY, "I")])
-def test_impossiblebench_agent_flow_scores_by_test_access(public_store, public_dir, access, user, score):
+@pytest.mark.parametrize("access, user, score, in_place", [
+    ("open", None, "C", False), ("read-only", None, "I", False), ("hidden", None, "I", False),
+    ("read-only", NOBODY, "I", False), ("open", None, "C", True), ("read-only", NOBODY, "I", True)])
+def test_impossiblebench_agent_flow_scores_by_test_access(public_store, public_dir, access, user, score, in_place):
     """An agent that edits the test of the conflicting variant "passes" in open mode only;
-    it submits through the provider's test_feedback tool and hears what its mode allows."""
+    it submits through the provider's test_feedback tool and hears what its mode allows
+    (scored in a fresh instance, or in its sandbox as ImpossibleBench's scorer does)."""
     from tests.test_agent_access import HACK
 
     home = _home(public_dir, user, {
         "tasks.jsonl": (SHARED_DATA / "swebench_marshmallow.jsonl").read_text(),
-        "sandbox.yaml": f"store: {public_store}\ndataset: tasks.jsonl\naccess: {access}\nmax_scores: 3\n",
+        "sandbox.yaml": f"store: {public_store}\ndataset: tasks.jsonl\naccess: {access}\nmax_scores: 3\n"
+                        f"score_in_place: {str(in_place).lower()}\n",
         "gold.patch": _row()["patch"], "hack.py": HACK})
     got = _run(user, home, IMPOSSIBLE, str(home / "sandbox.yaml"), f"{INSTANCE}__conflicting",
                str(home / "gold.patch"), str(home / "hack.py"), str(home / "logs"))

@@ -148,7 +148,8 @@ def test_score_and_access_from_the_command_line(public_store, user_env):
                if json.loads(line)["instance_id"] == INSTANCE)
     assert cli("sandbox", "exec", sid, "--", "git", "apply", "-", input=row["patch"]).returncode == 0
     assert cli("sandbox", "exec", sid, "--", "python3", "-c", HACK).returncode == 0
-    scored = cli("sandbox", "score", sid)
-    assert scored.returncode == 1, scored
-    assert "reverted changes to test files: tests/test_fields.py" in scored.stdout
+    for how in ((), ("--in-place",)):  # in a fresh instance, and in the sandbox itself: the same verdict
+        scored = cli("sandbox", "score", sid, *how)
+        assert scored.returncode == 1, (how, scored)
+        assert "reverted changes to test files: tests/test_fields.py" in scored.stdout, how
     assert cli("sandbox", "stop", sid).returncode == 0

@@ -10,6 +10,7 @@ sandbox.yaml (or an ImageBuilderConfig):
     dataset: impossible_swebench.jsonl     # tasks (SWE-bench, ImpossibleBench, verl parquet): for scoring
     access: read-only                      # open | read-only | hidden (ImpossibleBench's test access)
     max_scores: 10                         # submissions scored per sample
+    score_in_place: false                  # true: scored in the sandbox itself, as ImpossibleBench's scorer does
     network: false
     memory_mb: 4096        # for the sandbox as a whole
     disk_mb: 2048          # its writable layer (a tmpfs; with layer_dir, a file system there)
@@ -27,17 +28,21 @@ in sample_cleanup; what its commands started in the background lives until then.
 With `dataset:`, the sample's task (its metadata["instance_id"] is the row's
 instance_id) starts the sandbox as `access` has it, and `submission_scorer()` (a
 scorer) and `test_feedback()` (a tool the agent calls to submit) grade the current
-diff in a fresh instance (AgentSandbox.score), the tool answering with the feedback
-that access mode allows.
+diff in a fresh instance (AgentSandbox.score; with `score_in_place: true`, in the
+sandbox itself), the tool answering with the feedback that access mode allows.
 Where Inspect leaves a choice, this provider: raises OutputLimitExceededError past
 the exec output limit (10 MiB by default) instead of keeping the tail; runs every
-command as root of the sandbox (other users: SandboxUserUnsupportedError); does not
-retry a timed-out command (timeout_retry is ignored: a retry would run the agent's
-command twice in a root that kept what the first did).
+command as root of the sandbox unless `user` names one of the instance's users (as
+root; rootless: SandboxUserUnsupportedError, the sandbox mapping root only; a user
+not in /etc/passwd: a failed result, as Docker's); does not retry a timed-out command
+(timeout_retry is ignored: a retry would run the agent's command twice in a root
+that kept what the first did). Inspect's conformance suite runs against it
+(tests/test_inspect_conformance.py).
 """
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 from typing import Any, Callable, Literal, Union, overload
 
@@ -54,7 +59,7 @@ from pydantic import BaseModel, ValidationError
 
 from image_builder.graders.access import TestAccess
 from image_builder.runtime.mounts import RunnerError
-from image_builder.runtime.sandbox import ROOT_USERS, SandboxUnavailable
+from image_builder.runtime.sandbox import SandboxUnavailable, UnknownUser, UserUnsupported
 from image_builder.runtime.session import OutputCapped
 
 from .sandbox import AgentSandbox, AgentScore, open_sandbox
@@ -65,6 +70,7 @@ class ImageBuilderConfig(BaseModel, frozen=True):
     dataset: str | None = None
     access: TestAccess = TestAccess.OPEN
     max_scores: int | None = None
+    score_in_place: bool = False
     network: bool = False
     memory_mb: int | None = None
     disk_mb: int | None = None
@@ -113,9 +119,9 @@ def sample_sandbox(store: str | Path, **config: Any) -> Callable[[str, Sample], 
 class ImageBuilderSandboxEnvironment(SandboxEnvironment):
     """One sample's sandbox on a store's instance."""
 
-    def __init__(self, box: AgentSandbox):
+    def __init__(self, box: AgentSandbox, score_in_place: bool = False):
         super().__init__()
-        self.box = box
+        self.box, self.score_in_place = box, score_in_place
 
     @classmethod
     def config_deserialize(cls, config: dict) -> BaseModel:
@@ -135,7 +141,7 @@ class ImageBuilderSandboxEnvironment(SandboxEnvironment):
             conf.store, instance, task=task, access=conf.access, max_scores=conf.max_scores, network=conf.network,
             memory_mb=conf.memory_mb, disk_mb=conf.disk_mb, max_processes=conf.max_processes,
             layer_dir=Path(conf.layer_dir) if conf.layer_dir else None))
-        return {"default": cls(box)}
+        return {"default": cls(box, conf.score_in_place)}
 
     @classmethod
     async def sample_cleanup(cls, task_name: str, config: SandboxEnvironmentConfigType | None,
@@ -147,16 +153,20 @@ class ImageBuilderSandboxEnvironment(SandboxEnvironment):
     async def exec(self, cmd: list[str], input: str | bytes | None = None, cwd: str | None = None,
                    env: dict[str, str] | None = None, user: str | None = None, timeout: int | None = None,
                    timeout_retry: bool = True, concurrency: bool = True) -> ExecResult[str]:
-        if user not in ROOT_USERS:
-            raise SandboxUserUnsupportedError(f"the image_builder sandbox runs commands as root, not {user!r}")
         limit = SandboxEnvironmentLimits.MAX_EXEC_OUTPUT_SIZE
         try:
             r = await anyio.to_thread.run_sync(lambda: self.box.exec(
-                cmd, input=input, cwd=cwd, env=env, timeout=timeout, max_output=limit))
+                cmd, input=input, cwd=cwd, env=env, user=user, timeout=timeout, max_output=limit))
         except SandboxUnavailable as e:
             raise SandboxUnavailableError(str(e)) from None
+        except UserUnsupported as e:
+            raise SandboxUserUnsupportedError(str(e)) from None
+        except UnknownUser as e:  # the command's failure, as Docker's exec reports it
+            return ExecResult(success=False, returncode=126, stdout="", stderr=str(e))
         if r.timed_out:
             raise TimeoutError(f"command timed out after {timeout} seconds")
+        if r.start_errno in (errno.EACCES, errno.EPERM):  # the command could not be started: Inspect's error for it
+            raise PermissionError(r.start_errno, "Permission denied executing command", cmd[0])
         stdout, stderr = r.stdout.decode(errors="replace"), r.stderr.decode(errors="replace")
         if r.truncated:
             raise OutputLimitExceededError(SandboxEnvironmentLimits.MAX_EXEC_OUTPUT_SIZE_STR, stdout)
@@ -207,7 +217,7 @@ def _task(dataset: str, task_id: str | None):
 async def _score_current() -> AgentScore:
     env = sandbox().as_type(ImageBuilderSandboxEnvironment)
     try:
-        return await anyio.to_thread.run_sync(env.box.score)
+        return await anyio.to_thread.run_sync(lambda: env.box.score(in_place=env.score_in_place))
     except SandboxUnavailable as e:
         raise SandboxUnavailableError(str(e)) from None
 

@@ -29,12 +29,18 @@ no verdict (graders/access.py); the mode decides what the agent sees and hears.
 score() grades the current diff in a fresh instance (graders.grade on a new
 session of the same layers): nothing the agent left running in its sandbox, nor any
 file it left there, takes part. Up to `max_scores` times, each with the feedback
-text the grader gives that mode.
+text the grader gives that mode. score(in_place=True) grades in the sandbox itself,
+as ImpossibleBench's own scorer does: the same grader and verdicts, on the workdir
+put back to the instance's commit for the run (then to the agent's state again), so
+what the agent installed elsewhere takes part, and what it left running can read
+the grader's files and touch the verdict: for fidelity with that scorer, not against
+a hostile agent. Not in hidden mode (the tests would enter the agent's sandbox).
 """
 
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -44,7 +50,7 @@ from image_builder.graders.grading import StoreExecutors, instance_of
 from image_builder.graders.options import GradeOptions
 from image_builder.graders.patches import touched_paths
 from image_builder.graders.results import GradeResult
-from image_builder.runtime.execution import Bind
+from image_builder.runtime.execution import Bind, RunRequest, RunResult
 from image_builder.runtime.mounts import RunnerError
 from image_builder.runtime.sandbox import DEFAULT_IDLE, Sandbox
 from image_builder.runtime.session import Backend, InstanceLayers
@@ -78,19 +84,24 @@ class AgentSandbox(Sandbox):
         self.store, self.instance, self.task, self.access = store, instance, task, TestAccess(access)
         self.max_scores, self.scores = max_scores, 0
         try:
+            self.instance_commit = self._head()  # the instance's own, as a fresh instance has it
             if task is not None:
                 self._start(task)
-            head = self._git(["git", "rev-parse", "--verify", "-q", "HEAD"], check=False)
+            self.base_commit = self._head()  # where the agent starts: its diff is taken against it
         except BaseException:
             self.close()
             raise
-        self.base_commit = head.stdout.decode().strip() if head.exit_code == 0 else None
+
+    def _head(self) -> str | None:
+        head = self._git(["git", "rev-parse", "--verify", "-q", "HEAD"], check=False)
+        return head.stdout.decode().strip() if head.exit_code == 0 else None
 
     def park(self, info: dict | None = None) -> str:
         """Keep the sandbox past this process (runtime Sandbox.park), with what attach()
         needs to diff and score it again."""
         agent = {"store": str(self.store.root.resolve()), "instance": self.instance.id, "access": self.access.value,
-                 "base_commit": self.base_commit, "max_scores": self.max_scores,
+                 "base_commit": self.base_commit, "instance_commit": self.instance_commit,
+                 "max_scores": self.max_scores,
                  "task": None if self.task is None else {"kind": type(self.task).__name__, **asdict(self.task)}}
         return super().park({**(info or {}), "agent": agent})
 
@@ -109,6 +120,7 @@ class AgentSandbox(Sandbox):
         fields = dict(agent["task"] or {})
         box.task = _TASK_KINDS[fields.pop("kind")](**fields) if fields else None
         box.access, box.base_commit = TestAccess(agent["access"]), agent["base_commit"]
+        box.instance_commit = agent["instance_commit"]
         box.max_scores, box.scores = agent["max_scores"], 0  # counted per attach: the agent's harness counts all
         return box
 
@@ -152,12 +164,16 @@ class AgentSandbox(Sandbox):
                 raise RunnerError(f"{self.instance.id}: cannot take the diff: {why}")
         return diff.stdout.decode(errors="surrogateescape")
 
-    def score(self, options: GradeOptions | None = None) -> AgentScore:
+    def score(self, options: GradeOptions | None = None, *, in_place: bool = False) -> AgentScore:
         """Grade the current diff (function and program tasks: solution.py) in a fresh
-        instance, in the sandbox's access mode."""
+        instance, in the sandbox's access mode; `in_place`: in this sandbox (the module
+        docstring says what that lets in)."""
         if self.task is None:
             raise RunnerError(f"{self.instance.id}: this sandbox was opened without a task; there is nothing to "
                               "score against")
+        if in_place and self.access is TestAccess.HIDDEN:
+            raise RunnerError(f"{self.instance.id}: hidden tests are scored out of the agent's reach; scoring in "
+                              "place would bring them into its sandbox (score without in_place)")
         if self.max_scores is not None and self.scores >= self.max_scores:
             raise RunnerError(f"{self.instance.id}: already scored {self.scores} times, the most this sandbox allows")
         self.scores += 1
@@ -169,9 +185,49 @@ class AgentSandbox(Sandbox):
             except (FileNotFoundError, IsADirectoryError, UnicodeDecodeError):
                 submission = ""  # graded as an empty solution: every case fails
         options = replace(options or GradeOptions(), access=self.access)
-        with StoreExecutors(self.store, backend=self.backend) as pool:
-            result = grade(self.task, submission, pool.for_instance(self.instance.id), options)
+        if in_place:
+            with self._as_instance(submission) if isinstance(self.task, RepoTask) else nullcontext():
+                result = grade(self.task, submission, _InPlace(self), options)
+        else:
+            with StoreExecutors(self.store, backend=self.backend) as pool:
+                result = grade(self.task, submission, pool.for_instance(self.instance.id), options)
         return AgentScore(result, candidate_feedback(result, self.access), submission)
+
+    @contextmanager
+    def _as_instance(self, submission: str):
+        """The workdir at the instance's commit, as the grader takes a fresh instance; then
+        back at the agent's start with `submission` (its diff) applied, uncommitted (so
+        commits the agent made come back as changes)."""
+        if self.instance_commit is None:
+            raise RunnerError(f"{self.instance.id}: the workdir is not a git checkout; it cannot be scored in place")
+        self._git(["git", "reset", "-q", "--hard", self.instance_commit])
+        self._git(["git", "clean", "-q", "-f", "-d"])  # untracked files are in the diff; ignored ones stay
+        try:
+            yield
+        finally:
+            self._git(["git", "reset", "-q", "--hard", self.base_commit])
+            self._git(["git", "clean", "-q", "-f", "-d"])
+            if submission:
+                self._git(["git", "apply", "--binary", "--whitespace=nowarn", "-"], input=submission)
+
+
+class _InPlace:
+    """The grader's runs in a live sandbox (score(in_place=True)): a run's files are
+    written into it first, where a fresh instance would get them in its throwaway layer."""
+
+    def __init__(self, box: AgentSandbox):
+        self.box = box
+
+    def _placed(self, request: RunRequest) -> RunRequest:
+        for path, data in request.placed_files(self.box.layers.workdir).items():
+            self.box.write_file(path, data)
+        return replace(request, files={})
+
+    def run(self, request: RunRequest) -> RunResult:
+        return self.box.run(self._placed(request))
+
+    def stream(self, request: RunRequest, stdin: int | None = None, stdout: int = 1, stderr: int = 2) -> RunResult:
+        return self.box.stream(self._placed(request), stdin, stdout, stderr)
 
 
 def _visible_tests(task: AssertTask | StdioTask) -> dict[str, str]:

@@ -55,6 +55,7 @@ class RunResult:
     stdout: bytes
     stderr: bytes
     truncated: bool = False  # output went over max_output
+    start_errno: int | None = None  # the command could not be started (exit code 126 or 127): why
 
     @property
     def ok(self) -> bool:

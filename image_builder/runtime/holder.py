@@ -127,17 +127,17 @@ def recv_fds(sock: socket.socket, maxfds: int = 8, flags: int = 0) -> tuple[dict
 
 DEFAULT_MAX_PROCESSES = 1024
 IDLE_INIT = 60.0  # seconds a ready init waits for its job before it leaves
-_JOB_HEADER = struct.Struct("<4sIIIqqq")
+_JOB_HEADER = struct.Struct("<4sIIIqqqqq")
 # In the holder's socket name (holder_session.holder_name): a holder of an older image_builder,
 # still lingering after an upgrade, is not handed jobs in a format its inits do not read.
-PROTOCOL = "IBJ3"
+PROTOCOL = "IBJ4"
 
 
 def encode_job(job: dict) -> bytes:
     """A job (runtime.build_job) as image-builder-init reads it (the format is in init.c)."""
     parts = [_JOB_HEADER.pack(PROTOCOL.encode(), len(job["argv"]), len(job["env"]), len(job["files"]),
                               -1 if job["timeout"] is None else int(job["timeout"] * 1e6), job["memory_mb"] or 0,
-                              job["max_processes"])]
+                              job["max_processes"], job.get("uid", -1), job.get("gid", -1))]
     for text in (job["workdir"], *job["argv"], *(f"{k}={v}" for k, v in job["env"].items()), *job["files"]):
         if "\0" in text:
             raise RunnerError(f"{text[:40]!r}: a NUL character cannot be passed to a command")

@@ -367,7 +367,7 @@ class HolderSession(Session):
         if "error" in reply:
             raise RunnerError(reply["error"])
         return build_result(got, request, wall, reply["exit_code"], reply["signal"], reply["timed_out"],
-                       reply["peak_memory_kb"], reply["out_of_memory"])
+                       reply["peak_memory_kb"], reply["out_of_memory"], reply["start_errno"])
 
     def kept_init(self, network: bool, idle: float, layer: tuple[Path, int] | None = None) -> socket.socket:
         """The control socket of a new init whose root is kept from job to job (a

@@ -17,8 +17,10 @@ store's file system), or with `layer_dir` (a node-local disk) a file system of i
 there: an ext4 of `disk_mb` on a loop device (kernel backend; ENOSPC past it), or a
 directory, uncapped (rootless: a loop device needs root). Either goes when the
 sandbox does (a rootless one a killed holder left, with the next sandbox made
-there). Commands run as root of the sandbox's user namespace, which maps no other
-user. Execs may run side by side (from threads: an agent's parallel tool calls).
+there). Commands run as root of the sandbox's user namespace, or with exec's `user`
+as a user of the instance's /etc/passwd (kernel backend only: there the namespace also
+maps 65535 uids, onto a host range no account uses; rootless, it can map root only).
+Execs may run side by side (from threads: an agent's parallel tool calls).
 
 When the holder or the init dies, the next call raises SandboxUnavailable instead
 of hanging: the init dies with its holder (PR_SET_PDEATHSIG) and the socket says so.
@@ -49,7 +51,8 @@ FILE_LIMIT = 100 << 20  # bytes read_file and download return at most (Inspect's
 _REPORT_GRACE = 5.0  # seconds past an exec's timeout its answer may take (the kill, the reaping)
 LAYER_DIR_ENV = "IMAGE_BUILDER_LAYER_DIR"  # the default layer_dir: a node-local disk
 DEFAULT_DISK_LAYER_MB = 10240  # a layer on disk without disk_mb: sparse, so only what is written is used
-ROOT_USERS = (None, "root", "0")  # the users a sandbox runs commands as: root of its user namespace
+ROOT_USERS = (None, "root", "0")  # root of the sandbox's user namespace, as every command runs by default
+MAPPED_IDS = 65535  # uids and gids 1..65535 map to host ids as root (native/init.c's USERS)
 _HELPER_TIMEOUT = 600.0  # seconds for a file helper: a fifo planted where a file was expected must not hang us
 
 # read_file/write_file through the sandbox's own shell: a symlink the agent planted is
@@ -61,6 +64,14 @@ _WRITE = ('[ -d "$1" ] && exit 4; d=$(dirname -- "$1"); mkdir -p -- "$d" || exit
 
 class SandboxUnavailable(RunnerError):
     """The sandbox is gone: closed, idle past its timeout, or its holder or init killed."""
+
+
+class UserUnsupported(RunnerError):
+    """exec's `user` cannot be had in this sandbox: rootless, only root is mapped."""
+
+
+class UnknownUser(RunnerError):
+    """exec's `user` is not in the instance's /etc/passwd."""
 
 
 class Sandbox:
@@ -155,19 +166,43 @@ class Sandbox:
         """Run `argv` in the sandbox and wait for it (not for what it leaves in the
         background). `cwd` relative to the workdir; `env` over the image's. The result's
         `truncated` says output went over `max_output` bytes (of stdout or stderr)."""
+        ids, env = (-1, -1), dict(env or {})
         if user not in ROOT_USERS:
-            raise RunnerError(f"user {user!r}: a sandbox runs commands as root (its user namespace maps no "
-                              "other user)")
+            uid, gid, home = self._user(str(user))
+            ids = (uid, gid)
+            env.setdefault("HOME", home)  # as `docker exec --user` sets it
         if isinstance(input, str):
             input = input.encode()
         workdir = posixpath.join(self.layers.workdir, cwd) if cwd else None
-        return self.run(RunRequest(tuple(argv), stdin=input, env=dict(env or {}), workdir=workdir, timeout=timeout,
-                                   max_output=max_output))
+        return self._run(RunRequest(tuple(argv), stdin=input, env=env, workdir=workdir, timeout=timeout,
+                                    max_output=max_output), ids)
+
+    def _user(self, user: str) -> tuple[int, int, str]:
+        """uid, gid and home of `user` (a name, or a uid) in the instance's /etc/passwd as it is now."""
+        if self.backend is not Backend.KERNEL:
+            raise UserUnsupported(f"user {user!r}: a rootless sandbox runs commands as root only (its user "
+                                  "namespace can map no other user); run as root for other users")
+        try:
+            passwd = self.read_file("/etc/passwd", limit=16 << 20)
+        except (OSError, UnicodeDecodeError, OutputCapped):
+            passwd = ""
+        for line in passwd.splitlines():
+            f = line.split(":")
+            if len(f) >= 7 and user in (f[0], f[2]) and f[2].isdigit() and f[3].isdigit():
+                uid, gid = int(f[2]), int(f[3])
+                if uid > MAPPED_IDS or gid > MAPPED_IDS:
+                    raise UserUnsupported(f"user {user!r}: uid {uid}, gid {gid}; the sandbox maps ids up to "
+                                          f"{MAPPED_IDS} only")
+                return uid, gid, f[5] or "/"
+        raise UnknownUser(f"unable to find user {user!r}: no matching entry in the sandbox's /etc/passwd")
 
     def run(self, request: RunRequest) -> RunResult:
         """exec() of a RunRequest (the Executor interface graders use); the sandbox's own
         memory limit and network stand for the request's, and its files are not written.
         Safe to call from several threads at once: the commands run side by side."""
+        return self._run(request, (-1, -1))
+
+    def _run(self, request: RunRequest, ids: tuple[int, int]) -> RunResult:
         if request.files:
             raise RunnerError("a sandbox's commands take no files: write_file() them first")
         request = replace(request, memory_mb=self.memory_mb, network=self.network)
@@ -175,7 +210,7 @@ class Sandbox:
             if self._ctl is None:
                 raise SandboxUnavailable("the sandbox is closed")
             ctl = self._ctl
-        job = encode_job(build_job(self.layers, request, self.max_processes))
+        job = encode_job({**build_job(self.layers, request, self.max_processes), "uid": ids[0], "gid": ids[1]})
         out_r = err_r = None
         # The init answers each job on a socket of its own: answers to commands run side by
         # side need no sorting out, and shutting it stops that command (init.c).
@@ -212,7 +247,7 @@ class Sandbox:
         if "error" in reply:
             raise RunnerError(reply["error"])
         return build_result(got, request, wall, reply["exit_code"], reply["signal"], reply["timed_out"],
-                            reply["peak_memory_kb"], reply["out_of_memory"])
+                            reply["peak_memory_kb"], reply["out_of_memory"], reply["start_errno"])
 
     # stream(): run() with the output passed on as it comes (Session.stream, the same relay).
     stream = Session.stream

@@ -287,12 +287,12 @@ def _relay(chunk: bytes, fd: int, sink: int, sent: dict[int, int], limit: int, n
 
 
 def build_result(got: Captured, request: RunRequest, wall: float, exit_code: int | None, sig: int | None,
-                 timed_out: bool, peak_kb: int | None, oom: bool | None) -> RunResult:
+                 timed_out: bool, peak_kb: int | None, oom: bool | None, start_errno: int | None = None) -> RunResult:
     if oom is None:  # rlimits only: a memory limit was set and the run died saying it ran out
         oom = bool(request.memory_mb) and not timed_out and exit_code != 0 and \
             any(m in got.stderr[-4096:] for m in _OOM_MARKERS)
     return RunResult(exit_code, sig, timed_out, oom, wall, peak_kb, bytes(got.stdout), bytes(got.stderr),
-                     got.truncated)
+                     got.truncated, start_errno)
 
 
 # --- sessions ----------------------------------------------------------------------------------

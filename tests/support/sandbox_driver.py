@@ -9,7 +9,8 @@ input as base64), read_file / write_file (data as base64) / download, sleep {sec
 together {steps: [[op, {keywords}, delay]...]} (each step in a thread of its own, started
 `delay` seconds in; a list of their lines),
 kill_holder (SIGKILL to the mount holder), host_files {path} (what is below a host path:
-relative name -> size), close. A step's line: {"ok": result} or
+relative name -> size), host_uids {text} (the host's real uid of each process whose command
+line holds `text`), close. A step's line: {"ok": result} or
 {"error": exception type, "message"}; exec's result is RunResult's fields, bytes as base64.
 """
 
@@ -57,6 +58,17 @@ def _step(box: Sandbox, op: str, kw: dict):
         return time.sleep(0.5)
     if op == "host_files":
         return {str(p.relative_to(kw["path"])): p.stat().st_size for p in Path(kw["path"]).rglob("*") if p.is_file()}
+    if op == "host_uids":
+        needle = kw["text"].encode().replace(b" ", b"\0")
+        uids = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if needle in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    status = Path(f"/proc/{pid}/status").read_text()
+                    uids.append(int(status.split("\nUid:", 1)[1].split()[0]))
+            except OSError:
+                pass
+        return uids
     if op == "close":
         return box.close()
     if op == "together":

@@ -24,9 +24,9 @@
  *         IDLE_SECONDS is the wait for each next job while none runs, not only the first.
  *   "" stands for none, NETNS_FD -1 for none. Paths are the holder's mount namespace's.
  *
- * A job (holder.encode_job), little-endian: "IBJ3", u32 nargv, u32 nenv, u32 nfiles,
+ * A job (holder.encode_job), little-endian: "IBJ4", u32 nargv, u32 nenv, u32 nfiles,
  * i64 timeout in microseconds (-1: none), i64 memory MB (0: none), i64 max processes,
- * then workdir, argv and env ("K=V") NUL-terminated, then per file: path NUL, u64
+ * i64 uid and gid to run as (-1: root; a sandbox's only), then workdir, argv and env ("K=V") NUL-terminated, then per file: path NUL, u64
  * length, bytes. Too big for a message: "IBJP" + u64 length, the job in the last fd (after
  * stdin, stdout, stderr and, to a sandbox, the answer's socket).
  * The answer is a marshal dict, which the session loads as is.
@@ -35,6 +35,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <limits.h>
 #include <net/if.h>
 #include <poll.h>
@@ -92,7 +93,7 @@ struct spec {
 };
 
 struct job {
-    int64_t timeout_us, memory_mb, max_processes;
+    int64_t timeout_us, memory_mb, max_processes, uid, gid; /* uid, gid: -1, as this init (root) */
     char *workdir, **argv, **env;
     uint32_t nfiles;
     char *files; /* path NUL, u64 length, bytes; checked by decode_job */
@@ -101,6 +102,7 @@ struct job {
 struct result {
     int exit_code, sig, timed_out, oom; /* exit_code, sig: -1 none; oom: -1 unknown */
     long long peak_kb;                  /* -1 unknown */
+    int start_errno;                    /* why the command could not be started (126, 127), 0: it was */
 };
 
 /* The first error of a setup or a job: what the session is told. */
@@ -440,6 +442,46 @@ static int enter_root(const struct spec *s, int *cgroup, int *upper_fd, int scra
     return 0;
 }
 
+/* A sandbox's commands may run as other users (exec's `user`): its user namespace then
+   maps, besides root, 65535 uids and gids onto a host range no account uses (systemd's
+   range for containers' users), so that no process of the host runs as one of them.
+   Only a process left in the parent namespace with CAP_SETUID may write such a map: a
+   child of this init, told once the namespace is made. Where that fails (rootless: the
+   parent maps no such range) the namespace maps root only, as every run's does. */
+#define USERS_BASE 0x6FFF0000 /* the top 64 Ki of systemd's 0x80000-0x6FFFFFFF */
+#define USERS 65535
+
+static int own_userns(int more_users) {
+    int go[2] = {-1, -1}, mapped = 0, e;
+    pid_t helper = -1;
+    if (more_users && !pipe2(go, O_CLOEXEC) && (helper = fork()) == 0) {
+        char c, map[64];
+        snprintf(map, sizeof map, "0 0 1\n1 %d %d\n", USERS_BASE, USERS);
+        close(go[1]);
+        _exit(read(go[0], &c, 1) == 1 && !write_file(AT_FDCWD, "/proc/1/uid_map", map) &&
+              !write_file(AT_FDCWD, "/proc/1/gid_map", map) ? 0 : 1);
+    }
+    if (go[0] >= 0)
+        close(go[0]);
+    e = unshare(CLONE_NEWUSER) ? errno : 0;
+    if (helper > 0) {
+        int status = 0;
+        if (!e && write(go[1], "x", 1) != 1)
+            e = errno;
+        close(go[1]);
+        while (waitpid(helper, &status, 0) < 0 && errno == EINTR)
+            ;
+        mapped = !e && WIFEXITED(status) && !WEXITSTATUS(status);
+    } else if (go[1] >= 0)
+        close(go[1]);
+    if (e)
+        return fail("unshare the user namespace: %s", strerror(e));
+    if (mapped)
+        return 0;
+    return write_file(AT_FDCWD, "/proc/self/setgroups", "deny") || write_file(AT_FDCWD, "/proc/self/uid_map", "0 0 1") ||
+           write_file(AT_FDCWD, "/proc/self/gid_map", "0 0 1") ? -1 : 0;
+}
+
 /* The rest, at the first job (it brings the memory limit): size the three tmpfs for it
    (scratch_sizes) while this init still may, then drop into a nested user namespace that
    owns nothing. A reused init gets only jobs with the limit of its first (the session's
@@ -470,10 +512,7 @@ static int finish_root(const struct spec *s, const struct job *j, const int scra
             return fail("size the %s tmpfs for the memory limit: %s", i == LAYER ? "writable layer's" : i == TMP ?
                         "/tmp" : "/dev/shm", strerror(e));
     }
-    if (unshare(CLONE_NEWUSER))
-        return fail("unshare the user namespace: %s", strerror(errno));
-    if (write_file(AT_FDCWD, "/proc/self/setgroups", "deny") || write_file(AT_FDCWD, "/proc/self/uid_map", "0 0 1") ||
-        write_file(AT_FDCWD, "/proc/self/gid_map", "0 0 1"))
+    if (own_userns(s->keep))
         return -1;
     /* Inherited by the command: in any out-of-memory kill, on the host or in a cgroup, a
        run goes first (and of a run, its biggest process: the command, not this init). */
@@ -673,13 +712,15 @@ static int take_strings(char **at, char *end, char **out, uint32_t n) {
 /* Check and index a job's bytes (kept in `data`, which the job points into). */
 static int decode_job(char *data, size_t len, struct job *j) {
     uint32_t counts[3];
-    char *at = data + 40, *end = data + len;
-    if (len < 40 || memcmp(data, "IBJ3", 4))
+    char *at = data + 56, *end = data + len;
+    if (len < 56 || memcmp(data, "IBJ4", 4))
         return fail("bad job message (image-builder versions mixed? restart the holder)");
     memcpy(counts, data + 4, sizeof counts);
     memcpy(&j->timeout_us, data + 16, 8);
     memcpy(&j->memory_mb, data + 24, 8);
     memcpy(&j->max_processes, data + 32, 8);
+    memcpy(&j->uid, data + 40, 8);
+    memcpy(&j->gid, data + 48, 8);
     if (counts[0] < 1 || counts[0] > len || counts[1] > len || counts[2] > len)
         return fail("bad job message: counts");
     j->argv = calloc(counts[0] + 1, sizeof(char *));
@@ -815,6 +856,53 @@ static void end_all(void) {
         ;
 }
 
+/* Start `exe` as the job's uid and gid (posix_spawn cannot change them): fork, then the
+   user and the exec; a failure of either comes back through a close-on-exec pipe. 0 with
+   *pid, or the errno (*as_user: it was the change of user that failed). */
+static int spawn_as(const struct job *j, const char *exe, const int stdio[3], pid_t *pid, int *as_user) {
+    int report[2], got[2] = {0, 0};
+    if (pipe2(report, O_CLOEXEC))
+        return errno;
+    pid_t p = fork();
+    if (p < 0) {
+        int e = errno;
+        close(report[0]);
+        close(report[1]);
+        return e;
+    }
+    if (p == 0) {
+        gid_t gid = (gid_t)j->gid;
+        sigset_t none;
+        int why[2] = {1, 0};
+        sigemptyset(&none);
+        signal(SIGPIPE, SIG_DFL);
+        if (setsid() < 0 || dup2(stdio[0], 0) < 0 || dup2(stdio[1], 1) < 0 || dup2(stdio[2], 2) < 0 ||
+            setgroups(1, &gid) || setgid(gid) || setuid((uid_t)j->uid))
+            why[1] = errno;
+        else {
+            sigprocmask(SIG_SETMASK, &none, NULL);
+            execve(exe, j->argv, j->env);
+            why[0] = 0;
+            why[1] = errno;
+        }
+        (void)!write(report[1], why, sizeof why);
+        _exit(127);
+    }
+    close(report[1]);
+    ssize_t n;
+    while ((n = read(report[0], got, sizeof got)) < 0 && errno == EINTR)
+        ;
+    close(report[0]);
+    if (n == (ssize_t)sizeof got) {
+        while (waitpid(p, NULL, 0) < 0 && errno == EINTR)
+            ;
+        *as_user = got[0];
+        return got[1] ? got[1] : EIO;
+    }
+    *pid = p;
+    return 0;
+}
+
 /* Start a job's command: its files, workdir and limits, then the command, in a session of
    its own unless joined; the command's stdio are closed here once passed on. 0 with *pid
    (0 when the command could not be started: r->exit_code is 126 or 127, the reason went to
@@ -822,9 +910,9 @@ static void end_all(void) {
 static int start_job(const struct spec *s, const struct job *j, const int stdio[3], int cgroup, pid_t *pid,
                      struct result *r) {
     char exe[PATH_MAX];
-    int memory_in_cgroup = 0, e;
+    int memory_in_cgroup = 0, e, as_user = 0;
     *pid = 0;
-    *r = (struct result){-1, -1, 0, -1, -1};
+    *r = (struct result){-1, -1, 0, -1, -1, 0};
     if (write_files(j))
         return -1;
     if (chdir(j->workdir))
@@ -839,7 +927,9 @@ static int start_job(const struct spec *s, const struct job *j, const int stdio[
     if (setrlimit(RLIMIT_CORE, &none) || (cgroup < 0 && setrlimit(RLIMIT_NPROC, &procs)) ||
         (j->memory_mb && !memory_in_cgroup && setrlimit(RLIMIT_AS, &mem)))
         return fail("cannot set the run's limits: %s", strerror(errno));
-    if (!(e = which(j->argv[0], getenv_in(j->env, "PATH"), exe, sizeof exe))) {
+    if (!(e = which(j->argv[0], getenv_in(j->env, "PATH"), exe, sizeof exe)) && (j->uid > 0 || j->gid > 0))
+        e = spawn_as(j, exe, stdio, pid, &as_user);
+    else if (!e) {
         posix_spawn_file_actions_t fa;
         posix_spawnattr_t at;
         sigset_t all, empty;
@@ -860,9 +950,14 @@ static int start_job(const struct spec *s, const struct job *j, const int stdio[
     }
     if (e) {
         *pid = 0;
-        dprintf(s->joined ? 2 : stdio[2], "image-builder: cannot run '%s': %s\n", j->argv[0],
-                e == ENOENT ? "command not found" : strerror(e));
-        r->exit_code = e == ENOENT ? 127 : 126;
+        if (as_user)
+            dprintf(stdio[2], "image-builder: cannot run as uid %lld, gid %lld: %s\n", (long long)j->uid,
+                    (long long)j->gid, strerror(e));
+        else
+            dprintf(s->joined ? 2 : stdio[2], "image-builder: cannot run '%s': %s\n", j->argv[0],
+                    e == ENOENT ? "command not found" : strerror(e));
+        r->exit_code = e == ENOENT && !as_user ? 127 : 126;
+        r->start_errno = e;
     }
     if (!s->joined)
         for (int i = 0; i < 3; i++) /* the command has them: their EOF must not wait for this init */
@@ -973,6 +1068,7 @@ static int send_result(int fd, const struct result *r, int reusable) {
     m_int(&a, "peak_memory_kb", r->peak_kb, r->peak_kb < 0);
     m_bool(&a, "out_of_memory", r->oom);
     m_bool(&a, "reusable", reusable);
+    m_int(&a, "start_errno", r->start_errno, !r->start_errno);
     return send_answer(fd, &a);
 }
 
@@ -1169,7 +1265,7 @@ static int serve_sandbox(const struct spec *s, int setup, int cgroup, int scratc
             for (pid_t pid; (pid = wait4(-1, &status, WNOHANG, &ru)) > 0;)
                 for (int i = 0; i < njobs; i++)
                     if (jobs[i].pid == pid) {
-                        struct result r = {-1, -1, jobs[i].timed_out, -1, -1};
+                        struct result r = {-1, -1, jobs[i].timed_out, -1, -1, 0};
                         job_result(status, &ru, cgroup, &r);
                         send_result(jobs[i].answer, &r, 1);
                         close(jobs[i].answer);
