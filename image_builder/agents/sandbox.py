@@ -87,7 +87,9 @@ class AgentSandbox(Sandbox):
             self.instance_commit = self._head()  # the instance's own, as a fresh instance has it
             if task is not None:
                 self._start(task)
-            self.base_commit = self._head()  # where the agent starts: its diff is taken against it
+            # Where the agent starts, its diff taken against it: a repo task's start is committed;
+            # a function task's only writes files, so its head is the instance's.
+            self.base_commit = self._head() if isinstance(task, RepoTask) else self.instance_commit
         except BaseException:
             self.close()
             raise
