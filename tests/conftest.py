@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -37,11 +39,49 @@ def pytest_sessionstart(session):
         raise pytest.UsageError("run the tests as root (`make test`): they drop to an unprivileged user themselves")
 
 
-@pytest.fixture(scope="session", autouse=True)
-def fuse_for_everyone():
-    """HPC hosts leave /dev/fuse mode 666 so users can mount squashfuse; do the same here."""
-    if os.geteuid() == 0 and os.path.exists("/dev/fuse"):
-        os.chmod("/dev/fuse", 0o666)
+# HPC hosts leave /dev/fuse mode 666 so users can mount squashfuse; the rootless tests need
+# the same. A fresh Debian host has 600, and the next run on this machine (`make demo`, CI)
+# must meet that again: the mode found first is kept in FUSE_MODE_FILE and put back by the
+# last session to end (several may run at once: each holds SESSIONS_LOCK shared). Once in
+# the controller, before xdist's workers start and after they end.
+FUSE = "/dev/fuse"
+SESSIONS_LOCK = "/run/image-builder-tests.lock"
+FUSE_MODE_FILE = Path("/run/image-builder-tests.fuse-mode")  # survives a killed session: the next restores
+_SESSION_LOCK = pytest.StashKey()
+
+
+def pytest_configure(config):
+    if hasattr(config, "workerinput") or os.geteuid() != 0 or not os.path.exists(FUSE):
+        return
+    lock = open(SESSIONS_LOCK, "a")
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not FUSE_MODE_FILE.exists():
+        FUSE_MODE_FILE.write_text(oct(stat.S_IMODE(os.stat(FUSE).st_mode)))
+    os.chmod(FUSE, 0o666)
+    fcntl.flock(lock, fcntl.LOCK_SH)
+    config.stash[_SESSION_LOCK] = lock
+
+
+def pytest_unconfigure(config):
+    lock = config.stash.get(_SESSION_LOCK, None)
+    if lock is None:
+        return
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return  # another session still runs: the last one out restores
+    os.chmod(FUSE, int(FUSE_MODE_FILE.read_text(), 8))
+    FUSE_MODE_FILE.unlink()
+    lock.close()
+
+
+
+def pytest_collection_modifyitems(config, items):
+    needing = [item for item in items if item.get_closest_marker("shared_data")]
+    if needing and not SHARED_DATA.is_dir():
+        raise pytest.UsageError(f"{len(needing)} selected tests read the shared sample data, expected in {SHARED_DATA} "
+                                "(set IMAGE_BUILDER_SHARED_DATA to its data/ folder, or run `make test`, which leaves "
+                                "them out)")
 
 
 @pytest.fixture(autouse=True)
@@ -136,7 +176,10 @@ def images(registries) -> TestImages:
 
 
 TEST_CACHE = Path.home() / ".cache" / "image_builder-tests"  # outside the checkout: reruns reuse it
-SHARED_DATA = Path(os.environ.get("IMAGE_BUILDER_SHARED_DATA", ROOT.parent / "shared" / "data"))  # see its README
+DATA = ROOT / "index" / "data"  # the samples the shipped catalogs and the demo use: in every clone
+# The project's larger shared sample data (the pytest and pylint bundles, 69 MB), beside the
+# checkout where CI has it; only the tests marked `shared_data` read it (`make test-shared`).
+SHARED_DATA = Path(os.environ.get("IMAGE_BUILDER_SHARED_DATA", ROOT.parent / "shared" / "data"))
 
 
 @pytest.fixture(scope="session")

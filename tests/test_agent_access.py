@@ -14,7 +14,7 @@ import pytest
 from image_builder.agents.sandbox import open_sandbox
 from image_builder.runtime.mounts import RunnerError
 from image_builder.tasks import load_tasks
-from tests.conftest import SHARED_DATA
+from tests.conftest import DATA
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST = "def test_datetime_list_inner_format(self, schema):"
@@ -30,7 +30,7 @@ else:
 
 
 def _task(task_id: str):
-    return next(t for t in load_tasks(SHARED_DATA / "swebench_marshmallow.jsonl") if t.task_id == task_id)
+    return next(t for t in load_tasks(DATA / "swebench_marshmallow.jsonl") if t.task_id == task_id)
 
 
 @pytest.mark.parametrize("access, resolved", [("open", True), ("read-only", False), ("hidden", False)])
@@ -101,7 +101,7 @@ def test_function_tasks_are_scored_by_the_graders_tests_not_the_agents_copy(mbpp
     tasks = {t.task_id: t for t in load_tasks(MBPP_IMPOSSIBLE)}
     honest = mbpp_solutions()["516"]
     for task_id, passes in (("516__conflicting", False), ("516", True)):
-        task = tasks.get(task_id) or next(t for t in load_tasks(SHARED_DATA / "mbpp_train_40.parquet") if t.task_id == task_id)
+        task = tasks.get(task_id) or next(t for t in load_tasks(DATA / "mbpp_train_40.parquet") if t.task_id == task_id)
         with open_sandbox(mbpp_store, task=task, access=access, state_dir=tmp_path) as box:
             seen = box.exec(["cat", "test_solution.py"])
             assert (seen.exit_code == 0) is (access != "hidden"), seen

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SHARED_DATA
+from tests.conftest import DATA
 from tests.test_runtime import NOBODY, eventually, loops_backed_by, mounted_anywhere, processes_with
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +47,7 @@ def _run(user: int | None, home: Path, script: Path, *args: str) -> dict:
 
 
 def _row() -> dict:
-    rows = [json.loads(line) for line in (SHARED_DATA / "swebench_marshmallow.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (DATA / "swebench_marshmallow.jsonl").read_text().splitlines()]
     return next(r for r in rows if r["instance_id"] == INSTANCE)
 
 
@@ -122,7 +122,7 @@ def test_impossiblebench_agent_flow_scores_by_test_access(public_store, public_d
     from tests.test_agent_access import HACK
 
     home = _home(public_dir, user, {
-        "tasks.jsonl": (SHARED_DATA / "swebench_marshmallow.jsonl").read_text(),
+        "tasks.jsonl": (DATA / "swebench_marshmallow.jsonl").read_text(),
         "sandbox.yaml": f"store: {public_store}\ndataset: tasks.jsonl\naccess: {access}\nmax_scores: 3\n"
                         f"score_in_place: {str(in_place).lower()}\n",
         "gold.patch": _row()["patch"], "hack.py": HACK})

@@ -307,6 +307,7 @@ UMOCI_INSTANCES = (  # (instance id, repository, what the image does beyond the 
 )
 
 
+@pytest.mark.shared_data  # the pytest and pylint bundles
 def test_images_made_with_umoci_import_to_trees_equal_to_their_flattened_images(registries, tmp_path):
     """SWE-bench's shape made by umoci (a Debian base layer; a venv layer; per instance a clone at
     the instance's commit, with whiteouts, an opaque directory, owners, modes and links), pushed by

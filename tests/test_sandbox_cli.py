@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_cli
-from tests.conftest import SHARED_DATA
+from tests.conftest import DATA
 from tests.test_agent_harnesses import INSTANCE
 from tests.test_runtime import NOBODY, eventually, processes_with
 
@@ -139,7 +139,7 @@ def test_score_and_access_from_the_command_line(public_store, user_env):
 
     cli = lambda *a, **kw: run_cli(*a, user=user, env=env, **kw)  # noqa: E731
     tasks = Path(env["HOME"]) / "tasks.jsonl"
-    tasks.write_text((SHARED_DATA / "swebench_marshmallow.jsonl").read_text())
+    tasks.write_text((DATA / "swebench_marshmallow.jsonl").read_text())
     if user is not None:
         os.chown(tasks, user, user)
     sid = cli("sandbox", "start", f"{INSTANCE}__conflicting", "--store", str(public_store), "--tasks", str(tasks),

@@ -13,6 +13,8 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from image_builder.build.catalog import load
 from image_builder.build.envbuild import BuildOptions
 from image_builder.build.storebuild import StoreBuildOptions, build_store
@@ -21,6 +23,8 @@ from image_builder.oci.registry import RegistryOptions
 from image_builder.store.store import Store
 from tests.conftest import SHARED_DATA, run_cli
 from tests.test_grading import grade, results
+
+pytestmark = pytest.mark.shared_data
 
 
 
@@ -36,7 +40,6 @@ def overlay_files(image: Path) -> dict[str, int]:
 
 
 def test_dev_instances_build_thin_and_gold_resolves(tmp_path, registries, debian_bullseye_base):
-    assert (SHARED_DATA / "swebench_dev.jsonl").is_file(), f"{SHARED_DATA}: the shared sample data (set IMAGE_BUILDER_SHARED_DATA)"
     rows = [json.loads(line) for line in (SHARED_DATA / "swebench_dev.jsonl").read_text().splitlines()]
     dataset = SHARED_DATA / "swebench_dev.jsonl"
     r = run_cli("swebench", "catalog", str(dataset), "--repos", str(SHARED_DATA / "repos"), "-o",

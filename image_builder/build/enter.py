@@ -2,7 +2,8 @@
 
 - `map` (root builds, run as root with `python -S`): in a private mount namespace, bind
   the host paths the build needs (the tree, the context, the images) where BUILD_UID can
-  reach them (a store under /root is not), then fork a child into a new user namespace,
+  reach them (a store under /root is not), give BUILD_UID a /dev/fuse of its own (below),
+  then fork a child into a new user namespace,
   map its root to BUILD_UID from here (the parent keeps the host's CAP_SETUID, which the
   map needs; `unshare --map-users` would need newuidmap, which Debian leaves to the
   uidmap package) and exec the rest of the sandbox as that root.
@@ -18,8 +19,10 @@ from __future__ import annotations
 import os
 import sys
 
-from image_builder.runtime.mounts import CLONE_NEWNS, CLONE_NEWUSER, MS_BIND, MS_PRIVATE, MS_REC, mount, prctl, \
-    unshare, write_file
+import stat
+
+from image_builder.runtime.mounts import CLONE_NEWNS, CLONE_NEWUSER, MS_BIND, MS_NOEXEC, MS_NOSUID, MS_PRIVATE, \
+    MS_REC, mount, prctl, unshare, write_file
 
 PR_SET_NO_NEW_PRIVS = 38
 
@@ -55,12 +58,33 @@ def _fail(what: str) -> None:
     os._exit(125)
 
 
-def map_and_exec(uid: int, binds: list[tuple[str, str]], argv: list[str]) -> None:
+def _fuse_device_for(uid: int, scratch: str) -> None:
+    """An overlay build mounts its lower images with squashfuse as BUILD_UID, root of its
+    user namespace: it must be that root who mounts them, so their files are root's inside
+    (the kernel's squashfs, mounted here, would show them as unmapped ids, and squashfs has
+    no idmapped mounts). /dev/fuse is mode 600 as Debian installs it, which BUILD_UID
+    cannot open; rather than change the host's device, this namespace gets its own node
+    for the same device, owned by BUILD_UID, on a tmpfs mounted here (a device node works
+    on it: it is not a user namespace's mount) and bound over /dev/fuse."""
+    try:
+        rdev = os.stat("/dev/fuse").st_rdev
+    except FileNotFoundError:
+        return  # the build fails later in one line (squashfuse: no /dev/fuse)
+    mount("tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=700,size=16k")
+    node = os.path.join(scratch, "fuse")
+    os.mknod(node, stat.S_IFCHR | 0o600, rdev)
+    os.chown(node, uid, uid)
+    mount(node, "/dev/fuse", None, MS_BIND)
+
+
+def map_and_exec(uid: int, binds: list[tuple[str, str]], fuse_scratch: str, argv: list[str]) -> None:
     try:
         unshare(CLONE_NEWNS)
         mount(None, "/", None, MS_REC | MS_PRIVATE)
         for src, dest in binds:
             mount(src, dest, None, MS_BIND | MS_REC)
+        if fuse_scratch:
+            _fuse_device_for(uid, fuse_scratch)
     except OSError as e:
         _fail(f"cannot show the build its files: {e}")
     parent_r, child_w = os.pipe()
@@ -99,7 +123,8 @@ def map_and_exec(uid: int, binds: list[tuple[str, str]], argv: list[str]) -> Non
 
 
 def main(args: list[str]) -> None:
-    """map UID N SRC1 DEST1 ... SRCN DESTN COMMAND..."""
-    uid, n = int(args[0]), int(args[1])
-    pairs = args[2:2 + 2 * n]
-    map_and_exec(uid, list(zip(pairs[::2], pairs[1::2])), args[2 + 2 * n:])
+    """UID FUSE_SCRATCH N SRC1 DEST1 ... SRCN DESTN COMMAND... (FUSE_SCRATCH: an empty
+    directory for BUILD_UID's /dev/fuse, or "" where the build mounts no image)"""
+    uid, fuse_scratch, n = int(args[0]), args[1], int(args[2])
+    pairs = args[3:3 + 2 * n]
+    map_and_exec(uid, list(zip(pairs[::2], pairs[1::2])), fuse_scratch, args[3 + 2 * n:])

@@ -284,7 +284,12 @@ def _namespace_command(spec: SandboxSpec, argv: list[str], staging: Path) -> lis
     boot = (f"import sys; sys.path[:0] = [{str(Path(__file__).resolve().parents[2])!r}]; "
             "from image_builder.build.enter import main; main(sys.argv[1:])")
     pairs = [p for pair in host.binds for p in pair]
-    return [sys.executable, "-S", "-E", "-c", boot, str(BUILD_UID), str(len(host.binds)), *pairs, *inner]
+    fuse_scratch = ""
+    if spec.overlay:  # squashfuse runs as BUILD_UID: enter.py gives it a /dev/fuse it can open
+        fuse_scratch = str(staging / "fuse")
+        os.mkdir(fuse_scratch, 0o700)
+    return [sys.executable, "-S", "-E", "-c", boot, str(BUILD_UID), fuse_scratch, str(len(host.binds)), *pairs,
+            *inner]
 
 
 def _proot_command(spec: SandboxSpec, argv: list[str], tmp: Path) -> list[str]:
