@@ -56,11 +56,13 @@ setup: host venv native
 
 # Everything a clone holds on its own; the tests that read the larger shared sample data
 # (../shared/data, or $$IMAGE_BUILDER_SHARED_DATA) are `make test-shared`, which .ci/run also runs.
+# Two workers: both cores (JOBS=0 runs in one process).
+JOBS ?= 2
 test: setup
-	$(PY) -m pytest tests -m "not shared_data" $(PYTEST_ARGS)
+	$(PY) -m pytest tests -m "not shared_data" -n $(JOBS) --dist loadgroup $(PYTEST_ARGS)
 
 test-shared: setup
-	$(PY) -m pytest tests -m shared_data $(PYTEST_ARGS)
+	$(PY) -m pytest tests -m shared_data -n $(JOBS) --dist loadgroup $(PYTEST_ARGS)
 
 demo: setup
 	$(PY) -m image_builder.devtools.demo

@@ -42,11 +42,12 @@ def pytest_sessionstart(session):
 # HPC hosts leave /dev/fuse mode 666 so users can mount squashfuse; the rootless tests need
 # the same. A fresh Debian host has 600, and the next run on this machine (`make demo`, CI)
 # must meet that again: the mode found first is kept in FUSE_MODE_FILE and put back by the
-# last session to end (several may run at once: each holds SESSIONS_LOCK shared). Once in
-# the controller, before xdist's workers start and after they end.
+# last session to end. Several sessions may run at once: each holds SESSIONS_LOCK shared
+# while it runs; the one that can take it exclusively at its end is the last. Once in the
+# controller, before xdist's workers start and after they end.
 FUSE = "/dev/fuse"
 SESSIONS_LOCK = "/run/image-builder-tests.lock"
-FUSE_MODE_FILE = Path("/run/image-builder-tests.fuse-mode")  # survives a killed session: the next restores
+FUSE_MODE_FILE = "/run/image-builder-tests.fuse-mode"  # outlives a killed session: the next one restores
 _SESSION_LOCK = pytest.StashKey()
 
 
@@ -54,12 +55,17 @@ def pytest_configure(config):
     if hasattr(config, "workerinput") or os.geteuid() != 0 or not os.path.exists(FUSE):
         return
     lock = open(SESSIONS_LOCK, "a")
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    if not FUSE_MODE_FILE.exists():
-        FUSE_MODE_FILE.write_text(oct(stat.S_IMODE(os.stat(FUSE).st_mode)))
-    os.chmod(FUSE, 0o666)
-    fcntl.flock(lock, fcntl.LOCK_SH)
+    fcntl.flock(lock, fcntl.LOCK_SH)  # waits only while an ending session puts the mode back
     config.stash[_SESSION_LOCK] = lock
+    mode = oct(stat.S_IMODE(os.stat(FUSE).st_mode)).encode()
+    try:  # the first session to start keeps the mode; O_EXCL: one of two starting at once
+        fd = os.open(FUSE_MODE_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        pass
+    else:
+        os.write(fd, mode)
+        os.close(fd)
+    os.chmod(FUSE, 0o666)
 
 
 def pytest_unconfigure(config):
@@ -70,13 +76,25 @@ def pytest_unconfigure(config):
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return  # another session still runs: the last one out restores
-    os.chmod(FUSE, int(FUSE_MODE_FILE.read_text(), 8))
-    FUSE_MODE_FILE.unlink()
+    with open(FUSE_MODE_FILE) as f:
+        os.chmod(FUSE, int(f.read(), 8))
+    os.unlink(FUSE_MODE_FILE)
     lock.close()
 
 
+# `make test` runs the tests on two xdist workers, each making the session and module
+# fixtures its own tests use. A test goes with its file, and with every other test of a
+# costly session build it uses (a store of 40 MBPP tasks or of two SWE-bench instances, a
+# Slurm cluster), so that each is made once.
+SHARED_BUILDS = {"marshmallow_store": "marshmallow", "public_store": "marshmallow", "mbpp_store": "mbpp",
+                 "slurm_cluster": "slurm"}
+
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        group = next((SHARED_BUILDS[f] for f in getattr(item, "fixturenames", ()) if f in SHARED_BUILDS),
+                     item.nodeid.split("::")[0])
+        item.add_marker(pytest.mark.xdist_group(group))
     needing = [item for item in items if item.get_closest_marker("shared_data")]
     if needing and not SHARED_DATA.is_dir():
         raise pytest.UsageError(f"{len(needing)} selected tests read the shared sample data, expected in {SHARED_DATA} "
