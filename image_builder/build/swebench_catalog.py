@@ -114,10 +114,25 @@ def load_swebench() -> types.ModuleType:
 
 
 def log_parsers() -> dict[str, str]:
-    """Repository -> the name of SWE-bench's log parser for it (MAP_REPO_TO_PARSER_PY), read from the package's
-    log_parsers/python.py alone: its package imports the harness (datasets, docker), and the file itself
-    only names TestSpec for annotations."""
-    constants = load_swebench()
+    """Repository -> the name of SWE-bench's log parser for it (MAP_REPO_TO_PARSER_PY); {} when the installed
+    swebench has no such table (graders then decide by the repository's name, then by the command)."""
+    module = log_parser_module()
+    return {repo: fn.__name__ for repo, fn in module.MAP_REPO_TO_PARSER_PY.items()} if module else {}
+
+
+_LOG_PARSERS: list = []  # the module once loaded ([module] or [None])
+
+
+def log_parser_module() -> types.ModuleType | None:
+    """SWE-bench's log_parsers/python.py (its parse_log_* functions and MAP_REPO_TO_PARSER_PY), loaded alone:
+    its package imports the harness (datasets, docker), and the file itself only names TestSpec for
+    annotations. None when swebench is not installed or its layout differs; loaded once."""
+    if _LOG_PARSERS:
+        return _LOG_PARSERS[0]
+    try:
+        constants = load_swebench()
+    except SpecError:
+        return None  # not cached: an install later in the process is found
     path = Path(constants.__file__).parents[1] / "log_parsers" / "python.py"
     name = "swebench.harness.test_spec.test_spec"
     stub = types.ModuleType(name)
@@ -125,19 +140,23 @@ def log_parsers() -> dict[str, str]:
     saved = {n: sys.modules.get(n) for n in (name, "swebench.harness.test_spec")}
     sys.modules.setdefault("swebench.harness.test_spec", types.ModuleType("swebench.harness.test_spec"))
     sys.modules[name] = stub
+    module = None
     try:
         spec = importlib.util.spec_from_file_location("image_builder._swebench_log_parsers", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        return {repo: fn.__name__ for repo, fn in module.MAP_REPO_TO_PARSER_PY.items()}
+        if not isinstance(getattr(module, "MAP_REPO_TO_PARSER_PY", None), dict):
+            module = None
     except (OSError, ImportError, AttributeError, SyntaxError):
-        return {}  # an older or newer layout: graders then read the logs as plain pytest
+        module = None  # an older or newer layout
     finally:
-        for n, module in saved.items():
-            if module is None:
+        for n, saved_module in saved.items():
+            if saved_module is None:
                 sys.modules.pop(n, None)
             else:
-                sys.modules[n] = module
+                sys.modules[n] = saved_module
+    _LOG_PARSERS.append(module)
+    return module
 
 
 def spec_of(constants: types.ModuleType, repo: str, version: str) -> Spec | str:

@@ -28,9 +28,21 @@ Why the run's report cannot be forged by printing:
   applied the patch, the test command's exit code, the junit xml;
 - pytest statuses are read from the last short-summary section between the
   markers and must agree with the junit xml pytest writes to a fresh temp dir;
-  a test whose two statuses differ, or a run without junit, fails.
+  a test whose two statuses differ, or a run without junit, fails (a test the
+  summary does not name takes its status from the rest of the log, as
+  SWE-bench's parser reads it, only where junit says the same).
 Code under test that patches pytest in-process, or rewrites the junit file at
 exit, can still forge a pass: in-process code can lie to in-process reporters.
+Runners other than pytest (sympy's bin/test, Django's runtests.py) write no
+junit: their statuses are read from the log between the markers alone
+(crosscheck "log-only"), so a test can print its way to a pass there, as in
+SWE-bench.
+
+The log is read by the repository's own SWE-bench parser (swebench_parsers.py):
+the catalog's `grader.log_parser`, else SWE-bench's map for the repository, else
+the command; SWE-bench's function when `swebench` is installed, ours otherwise.
+The pytest runner is recognised by the command (`pytest`, or `tox ... --` for a
+pytest-format parser: sphinx), not by the parser's name.
 
 `resolved` as SWE-bench defines it: every FAIL_TO_PASS and PASS_TO_PASS test
 passed (PASSED or XFAIL); FAILED, ERROR, missing or mismatched tests fail;
@@ -44,7 +56,6 @@ import binascii
 import json
 import secrets
 import shlex
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from image_builder.runtime.execution import Executor, RunRequest, RunResult
@@ -55,7 +66,8 @@ from .options import GradeOptions
 from .patches import refused_path, target_paths, touched_paths
 from image_builder.tasks import REPO_TEST_CMDS
 from .results import GradeResult, RepoReport, TaskStatus
-from .testlogs import TestStatus, junit_key, parse_junit, parse_pytest_log, parse_unittest_log, shorten_path_option
+from .swebench_parsers import LogParser, choose_parser, runs_pytest, spec_for
+from .testlogs import TestStatus, junit_key, parse_junit, pytest_summary
 
 PATH_OPTIONS_PARSER = "parse_log_pytest_options"  # SWE-bench's name for it (its MAP_REPO_TO_PARSER_PY)
 GRADER_DIR = ".ib-grader"  # written into the workdir by the run, moved out before any patch is applied
@@ -279,7 +291,8 @@ def grade_repo(task: RepoTask, patch: str, executor: Executor, options: GradeOpt
     infra_paths = {p for _, p in infra}
     reverted = [p for p in reverted_files(options.access, candidate_paths, test_patch_paths) if p not in infra_paths]
     test_cmd = resolve_test_command(task, executor)
-    pytest = "pytest" in test_cmd.split()
+    parser = choose_parser(getattr(executor, "log_parser", None), task.repo, test_cmd)
+    pytest = runs_pytest(test_cmd, parser)
     command = " ".join([test_cmd, *(['--junitxml="$J/junit.xml"'] if pytest else []),
                         *(["-p", "no:cacheprovider"] if pytest and "no:cacheprovider" not in test_cmd else []),
                         *map(shlex.quote, directives_for(task.repo, test_files))])
@@ -295,7 +308,7 @@ def grade_repo(task: RepoTask, patch: str, executor: Executor, options: GradeOpt
     run = read_run(result, nonce)
     facts = RunFacts(options.access.value, reverted, test_cmd, pytest, [p for _, p in infra], options.repo_network,
                      run.notes, run.apply_log, run.test_log, run.finished, run.timed_out,
-                     getattr(executor, "log_parser", None) == PATH_OPTIONS_PARSER)
+                     parser.family == PATH_OPTIONS_PARSER, parser.name)
     graded = judge_facts(task, facts)
     graded.artifacts = facts.artifacts(script, patch)
     return graded
@@ -307,7 +320,7 @@ class RunFacts:
     access: str
     reverted: list[str]
     test_cmd: str
-    pytest: bool
+    pytest: bool  # the runner is pytest and the parser reads its output: junit cross-checks the log
     infra: list[str]
     network: bool
     notes: dict[str, str]
@@ -315,7 +328,8 @@ class RunFacts:
     test_log: str | None
     finished: bool
     timed_out: bool
-    path_options: bool = False  # ids as SWE-bench's parse_log_pytest_options writes them (shorten_path_option)
+    path_options: bool = False  # ids as SWE-bench's parse_log_pytest_options writes them (older run.json files)
+    log_parser: str | None = None  # the parser that read the log, by SWE-bench's name (or "unittest")
 
     def artifacts(self, script: str, patch: str) -> dict[str, str]:
         """SWE-bench's per-instance files (eval.sh, patch, test output) and the facts themselves."""
@@ -337,7 +351,7 @@ class RunFacts:
 def judge_facts(task: RepoTask, facts: RunFacts) -> GradeResult:
     run = Run(facts.timed_out, facts.notes, facts.apply_log, facts.test_log, facts.finished)
     graded = judge(task, run, TestAccess(facts.access), facts.reverted, facts.test_cmd, facts.pytest,
-                   infra=facts.infra, path_options=facts.path_options)
+                   infra=facts.infra, path_options=facts.path_options, log_parser=facts.log_parser)
     if graded.repo is not None:
         graded.repo.network = facts.network
     return graded
@@ -407,9 +421,14 @@ def read_run(result: RunResult, nonce: str) -> Run:
 
 
 def judge(task: RepoTask, run: Run, access: TestAccess, reverted: list[str], test_cmd: str,
-          pytest: bool, infra: list[str] = (), path_options: bool = False) -> GradeResult:
-    """`infra`: the candidate's test-infrastructure paths the run protected (restored, or in open mode compared).
-    `path_options`: the dataset's ids are SWE-bench's parse_log_pytest_options ones (the catalog's log_parser)."""
+          pytest: bool, infra: list[str] = (), path_options: bool = False, log_parser: str | None = None,
+          ) -> GradeResult:
+    """The verdict on a run. `pytest`: junit cross-checks the log (the runner is pytest).
+    `infra`: the candidate's test-infrastructure paths the run protected (restored, or in open mode compared).
+    `log_parser`: the parser's name as the catalog (or the run's facts) has it; none: SWE-bench's for the
+    repository, then the command's (swebench_parsers.choose_parser); `path_options` (older facts): the
+    catalog named parse_log_pytest_options."""
+    parser = choose_parser(log_parser or (PATH_OPTIONS_PARSER if path_options else None), task.repo, test_cmd)
     notes = run.notes
     extra = {"infra": _infra_changes(notes, access, infra)}
     if "model-failed" in notes:
@@ -421,12 +440,13 @@ def judge(task: RepoTask, run: Run, access: TestAccess, reverted: list[str], tes
                else notes.get("error") or "the evaluation script ended before the tests started")
         return GradeResult(task.task_id, "repo", TaskStatus.ERROR, reason=why,
                            repo=_report(task, run, access, reverted, test_cmd, {}, "", [], **extra))
-    log_statuses = (parse_pytest_log if pytest else parse_unittest_log)(run.test_log or "")
-    shorten = shorten_path_option if pytest and path_options else (lambda test: test)
-    log_statuses = {shorten(t): s for t, s in log_statuses.items()}
-    statuses, crosscheck, mismatches, skipped = _crosscheck(task, log_statuses, notes.get("junit"), pytest, shorten)
+    log, spec = run.test_log or "", spec_for(task)
+    # pytest: the last short summary (what code under test prints before it cannot count); others: the whole log
+    log_statuses = parser.read(pytest_summary(log) if pytest else log, spec)
+    whole = parser.read(log, spec) if pytest else log_statuses  # the whole log, as SWE-bench reads it
+    statuses, crosscheck, mismatches, skipped = _crosscheck(task, log_statuses, whole, notes.get("junit"), pytest,
+                                                            parser)
     if pytest:  # entries that name no test: as SWE-bench's parser reads them (see _names_a_test)
-        whole = {shorten(t): s for t, s in parse_pytest_log(run.test_log or "", summary_only=False).items()}
         for test in [t for t in statuses if not _names_a_test(t)]:
             statuses[test] = whole[test].value if test in whole else MISSING
             crosscheck = "junit, swebench-log" if crosscheck == "junit" else crosscheck
@@ -468,25 +488,32 @@ def _names_a_test(test: str) -> bool:
     return "::" in test or test.endswith(".py")
 
 
-def _crosscheck(task: RepoTask, log_statuses: dict[str, TestStatus], junit_note: str | None,
-                pytest: bool, shorten: Callable[[str], str]) -> tuple[dict[str, str], str, list[str], set[str]]:
+def _crosscheck(task: RepoTask, log_statuses: dict[str, TestStatus], whole: dict[str, TestStatus],
+                junit_note: str | None, pytest: bool, parser: LogParser,
+                ) -> tuple[dict[str, str], str, list[str], set[str]]:
     """Statuses, how they were checked, the log/junit mismatches, and the tests junit says were skipped
-    that the log (as SWE-bench reads it) does not name: those are MISSING, as SWE-bench has them."""
+    that the log (as SWE-bench reads it) does not name: those are MISSING, as SWE-bench has them.
+    `log_statuses`: the summary's; `whole`: the whole log's, which count for a test the summary does not
+    name only where junit agrees (pytest -v's `id SKIPPED` lines, as parse_log_pytest_v2 reads them)."""
     tests = [*task.fail_to_pass, *task.pass_to_pass]
     if not pytest:
         return {t: log_statuses[t].value if t in log_statuses else MISSING for t in tests}, "log-only", [], set()
     junit = _junit(junit_note)
     if junit is None:
         return {t: MISSING for t in tests}, "junit-missing", [], set()
-    junit = {(cls, shorten(name)): status for (cls, name), status in junit.items()}
+    junit = {(cls, parser.junit_name(name)): status for (cls, name), status in junit.items()}
     statuses, mismatches, skipped = {}, [], set()
     for test in tests:
         from_log, from_junit = log_statuses.get(test), junit.get(junit_key(test))
+        if from_log is None and from_junit is not None and whole.get(test) is from_junit:
+            from_log = from_junit
         if from_log == from_junit:
             statuses[test] = from_log.value if from_log else MISSING
         elif from_log is None and from_junit is TestStatus.SKIPPED:
             statuses[test] = MISSING  # -rA lists a skip as "SKIPPED [1] file:line: why", without the test's id
             skipped.add(test)
+        elif from_log is None and from_junit not in parser.records:
+            statuses[test] = MISSING  # a status this parser never reports (seaborn's: XFAIL, ERROR), as SWE-bench
         else:
             statuses[test] = MISMATCH
             mismatches.append(f"{test}: log {from_log.value if from_log else MISSING}, "

@@ -1,6 +1,16 @@
 """Test statuses from a test command's output (pytest -rA, unittest/Django) and from pytest's junit xml.
 
-pytest: only the lines after the last "short test summary info" header count,
+SWE-bench reads each repository's log with its own parser (MAP_REPO_TO_PARSER_PY).
+The `swebench_*` readers below are ours, one for each of its families (pytest,
+pytest with path options, pytest v2, django, sympy, matplotlib, seaborn), written
+to the formats those parsers read so that grading needs no swebench install:
+each returns what SWE-bench's function returns on the same log, a test id to a
+status word (swebench_parsers.py picks the parser, and SWE-bench's own function
+where swebench is installed). Where SWE-bench's function raises on a malformed
+line (a lone `FAILED`), ours skips the line.
+
+pytest: only the lines after the last "short test summary info" header count
+(pytest_summary; the grader hands the parser that part of a pytest run),
 so "PASSED x" lines printed by code under test earlier in the run are ignored
 (the real summary comes later and wins). It is still text that code under
 test can print after the summary; that is why runs also cross-check junit.
@@ -17,6 +27,7 @@ from __future__ import annotations
 import enum
 import re
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 
 
 class TestStatus(str, enum.Enum):
@@ -46,14 +57,20 @@ _UNITTEST_STATUS = {"ok": TestStatus.PASSED, "FAIL": TestStatus.FAILED, "ERROR":
 def parse_pytest_log(log: str, *, summary_only: bool = True) -> dict[str, TestStatus]:
     """`STATUS id` lines of the last short test summary; `summary_only=False`: of the whole log, as
     SWE-bench's parse_log_pytest reads it (captured output of the tests included)."""
-    lines = _ANSI.sub("", log).splitlines()
-    headers = [i for i, line in enumerate(lines) if _SUMMARY_HEADER.match(line.strip())]
     statuses: dict[str, TestStatus] = {}
-    for line in lines[headers[-1] + 1 if headers and summary_only else 0:]:
+    for line in _ANSI.sub("", pytest_summary(log) if summary_only else log).splitlines():
         word, _, rest = line.partition(" ")
         if word in TestStatus.__members__ and rest.split():
             statuses[rest.split()[0]] = TestStatus[word]  # "FAILED id - message" too
     return statuses
+
+
+def pytest_summary(log: str) -> str:
+    """The lines after the last "short test summary info" header (its colour codes aside), as they are;
+    the whole log when it has none."""
+    lines = log.split("\n")
+    headers = [i for i, line in enumerate(lines) if _SUMMARY_HEADER.match(_ANSI.sub("", line).strip())]
+    return "\n".join(lines[headers[-1] + 1:]) if headers else log
 
 
 def parse_unittest_log(log: str) -> dict[str, TestStatus]:
@@ -124,3 +141,147 @@ def _junit_status(case: ET.Element) -> TestStatus:
     if "skipped" in tags:
         return TestStatus.XFAIL if tags["skipped"].get("type") == "pytest.xfail" else TestStatus.SKIPPED
     return TestStatus.PASSED
+
+
+# --- SWE-bench's parser families, our reading of the same formats ------------------------------------------
+# Each returns {test id: status word} as SWE-bench's function of that name does (its words: PASSED, FAILED,
+# SKIPPED, ERROR, XFAIL; a word glued to more text is kept as it stands, as SWE-bench keeps it).
+
+SWEBENCH_STATUSES = ("FAILED", "PASSED", "SKIPPED", "ERROR", "XFAIL")  # SWE-bench 4.x's TestStatus: no XPASS
+_ESCAPE_CODE = re.compile(r"\[\d+m")  # what pytest v2's reader takes out ("[32m"); the ESC itself goes below
+_CONTROL = dict.fromkeys(range(1, 32))
+
+
+def _status_words(line: str) -> list[str] | None:
+    """`STATUS id ...` as a list of words (a FAILED line's " - message" dash dropped); None for other lines."""
+    if not line.startswith(SWEBENCH_STATUSES):
+        return None
+    return (line.replace(" - ", " ") if line.startswith("FAILED") else line).split()
+
+
+def swebench_pytest(log: str, key: Callable[[str], str] = str) -> dict[str, str]:
+    """parse_log_pytest: every line of the log that starts with a status word, the id after it (through
+    `key`); the last line naming an id wins."""
+    out: dict[str, str] = {}
+    for line in log.split("\n"):
+        words = _status_words(line)
+        if words and len(words) > 1:
+            out[key(words[1])] = words[0]
+    return out
+
+
+def swebench_pytest_options(log: str) -> dict[str, str]:
+    """parse_log_pytest_options: as parse_log_pytest, ids through shorten_path_option."""
+    return swebench_pytest(log, shorten_path_option)
+
+
+def swebench_matplotlib(log: str) -> dict[str, str]:
+    """parse_log_matplotlib: as parse_log_pytest, with MouseButton.LEFT/RIGHT written as 1/3 (matplotlib's
+    ids changed with its enum; the datasets have the numbers)."""
+    return swebench_pytest(mouse_buttons(log))
+
+
+def mouse_buttons(text: str) -> str:
+    return text.replace("MouseButton.LEFT", "1").replace("MouseButton.RIGHT", "3")
+
+
+def swebench_pytest_v2(log: str) -> dict[str, str]:
+    """parse_log_pytest_v2 (astropy, scikit-learn, sphinx): colour codes and control characters out, then
+    `STATUS id` lines, and also `id STATUS` lines (pytest -v without percentages), whose word after the
+    first is taken as the status."""
+    out: dict[str, str] = {}
+    for line in log.split("\n"):
+        line = _ESCAPE_CODE.sub("", line).translate(_CONTROL)
+        words = _status_words(line)
+        if words is not None:
+            if len(words) > 1:
+                out[words[1]] = words[0]
+        elif line.endswith(SWEBENCH_STATUSES):
+            words = line.split()
+            if len(words) > 1:
+                out[words[0]] = words[1]
+    return out
+
+
+def swebench_seaborn(log: str) -> dict[str, str]:
+    """parse_log_seaborn: only passes and failures, from `FAILED id`, `id PASSED ...` and `PASSED id` lines
+    (in that order of precedence: a line is read by the first form it has)."""
+    out: dict[str, str] = {}
+    for line in log.split("\n"):
+        words = line.split()
+        if line.startswith("FAILED"):
+            if len(words) > 1:
+                out[words[1]] = "FAILED"
+        elif " PASSED " in line:
+            if len(words) > 1 and words[1] == "PASSED":
+                out[words[0]] = "PASSED"
+        elif line.startswith("PASSED") and len(words) > 1:
+            out[words[1]] = "PASSED"
+    return out
+
+
+def swebench_sympy(log: str) -> dict[str, str]:
+    """parse_log_sympy: sympy's bin/test --verbose prints `test_name ok|F|E` per test, and a header
+    `____ path.py:test_name ____` per failure or error. Headers read FAILED under `path.py:name`; the
+    per-test lines then set `test_name` (the datasets' ids). `f` (expected failure), `s`, `X` are not
+    read; nor is a file's last test, whose line ends in the file's [OK]/[FAIL]."""
+    out: dict[str, str] = {}
+    for line in log.split("\n"):
+        # A header as SWE-bench's pattern finds one, anywhere in a line: from the line's first space
+        # to its last, the last ".py:" between them splits path and name.
+        first, last = line.find(" "), line.rfind(" ")
+        cut = line.rfind(".py:", first + 1, last) if first >= 0 else -1
+        if cut >= 0:
+            out[f"{line[first + 1:cut]}.py:{line[cut + 4:last]}"] = "FAILED"
+    for line in log.split("\n"):
+        line = line.strip()
+        if not line.startswith("test_"):
+            continue
+        for suffix, status in ((" E", "ERROR"), (" F", "FAILED"), (" ok", "PASSED")):
+            if line.endswith(suffix):
+                out[line.split()[0]] = status
+    return out
+
+
+def swebench_django(log: str) -> dict[str, str]:
+    """parse_log_django: Django's runner at --verbosity 2, `label ... ok|skipped|FAIL|ERROR` lines keyed by
+    the whole label before " ... ": `test_x (module.Class)` or, for a test with a docstring, the docstring's
+    first line (the datasets list those). Also `FAIL:`/`ERROR:` report headers (keyed by their next word),
+    an `ok` alone on a line after a test's own output (for the last label seen), and three outputs known to
+    split a test's line (see _DJANGO_SPLIT)."""
+    out: dict[str, str] = {}
+    previous = None
+    for line in log.split("\n"):
+        line = line.strip()
+        if "--version is equivalent to version" in line:  # a test whose docstring runs over lines
+            out["--version is equivalent to version"] = "PASSED"
+        if " ... " in line:
+            previous = line.split(" ... ")[0]
+        for suffix in (" ... ok", " ... OK", " ...  OK"):
+            if line.endswith(suffix):
+                if line.startswith("Applying sites.0002_alter_domain_unique...test_no_migrations"):
+                    line = line.split("...", 1)[-1].strip()  # a migration's progress ran into django-7188's test
+                out[line.rsplit(suffix, 1)[0]] = "PASSED"
+                break
+        if " ... skipped" in line:
+            out[line.split(" ... skipped")[0]] = "SKIPPED"
+        if line.endswith(" ... FAIL"):
+            out[line.split(" ... FAIL")[0]] = "FAILED"
+        if line.startswith("FAIL:") and len(line.split()) > 1:
+            out[line.split()[1]] = "FAILED"
+        if line.endswith(" ... ERROR"):
+            out[line.split(" ... ERROR")[0]] = "ERROR"
+        if line.startswith("ERROR:") and len(line.split()) > 1:
+            out[line.split()[1]] = "ERROR"
+        if line.startswith("ok") and previous is not None:
+            out[previous] = "PASSED"
+    for middle in _DJANGO_SPLIT:
+        for found in re.finditer(rf"^(.*?)\s\.\.\.\s{middle}\nok$", log, re.MULTILINE):
+            out[found.group(1)] = "PASSED"
+    return out
+
+
+# What Django's runner is known to print between a test's " ... " and its "ok" (SWE-bench's list).
+_DJANGO_SPLIT = (r"Testing against Django installed in (?s:.*?) silenced\)\.",
+                 r"Internal Server Error: /.*/",
+                 r"System check identified no issues \(0 silenced\)")
