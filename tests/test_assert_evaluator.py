@@ -117,6 +117,70 @@ def test_the_solutions_objects_stay_in_its_process_and_work(host):
     assert run(host, solution, *cases) == [PASSED] * 6
 
 
+TREES = ("class Node:\n"
+         "    def __init__(self, data): self.data, self.left, self.right = data, None, None\n"
+         "def depth(n): return 0 if n is None else 1 + max(depth(n.left), depth(n.right))\n"
+         "def get(obj, name): return getattr(obj, name, 'unset')\n"
+         "def call_hook(obj, x): return obj.hook(x)\n"
+         "class Box:\n"
+         "    def __init__(self): self.items = {}\n"
+         "    def __setitem__(self, k, v): self.items[k] = v\n"
+         "    def __getitem__(self, k): return self.items[k]\n"
+         "    def __delitem__(self, k): del self.items[k]\n"
+         "    def __len__(self): return len(self.items)\n"
+         "class Slotted:\n"
+         "    __slots__ = ('a',)\n"
+         "class Guarded:\n"
+         "    def __setattr__(self, name, value): raise ValueError('read-only ' + name)\n")
+
+
+@pytest.mark.parametrize("where", ["host", "sandbox"])
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+def test_writes_to_the_solutions_objects_reach_them(request, where, strict):
+    """MBPP 367's setup builds trees with `root.left = Node(2)`: attribute (and item) writes on a handle are
+    done to the solution's object, with plain values, the solution's own objects, or the case's callables."""
+    host = request.getfixturevalue(where)
+    cases = [
+        "n = Node(1)\nn.left = Node(2)\nn.left.left = Node(3)\nn.right = Node(4)\n"
+        "assert depth(n) == 3 and n.left.data == 2 and depth(n.left.left) == 1",
+        "n = Node(1)\nn.extra = {'a': (1, 2)}\nassert get(n, 'extra') == {'a': (1, 2)} and n.extra == {'a': (1, 2)}",
+        "n = Node(1)\nn.hook = lambda v: v * 2\nassert call_hook(n, 21) == 42",  # the case's function, called back
+        "n = Node(1)\nn.x = 5\ndel n.x\nassert get(n, 'x') == 'unset'",
+        "b = Box()\nb['k'] = [3]\nassert b['k'] == [3] and len(b) == 1\ndel b['k']\nassert len(b) == 0",
+        "s = Slotted()\ntry:\n    s.other = 1\nexcept AttributeError:\n    pass\nelse:\n    assert False",
+        "g = Guarded()\ng.x = 1",  # the solution's __setattr__ raises: the case does, as in one process
+        "n = Node(1)\nn.__class__ = Box",  # `__` names are neither read nor written
+        "n = Node(1)\nn.left = Node(2)\nassert depth(n) == 3",  # and a wrong expectation still fails
+    ]
+    assert run(host, TREES, *cases, strict=strict) == [PASSED] * 6 + [
+        (CaseStatus.ERROR, "raised ValueError"), (CaseStatus.ERROR, "raised AttributeError"),
+        (CaseStatus.FAILED, "assertion failed")]
+
+
+# A solution whose function under test is named like a builtin (MBPP 126's `sum`), with a helper `double`.
+SUM = ("import builtins\n"
+       "def sum(a, b):\n"
+       "    return builtins.sum(i for i in range(1, min(a, b)) if a % i == 0 and b % i == 0)\n"
+       "def double(x): return 2 * x\n")
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+def test_a_builtin_name_is_the_solutions_only_as_the_function_under_test(host, strict):
+    """The module docstring's rule: the solution's `sum` where it is the only name of the solution the case
+    uses and every call of it takes literals; the real `sum` wherever it could see a computed value."""
+    cases = [
+        "assert sum(10, 15) == 6 and sum(100, 150) == 93",  # the solution's, as in one process
+        "assert sum((1, 2)) == 3",  # the solution's still (literal data): its TypeError, as in one process
+        "xs = [1, 2]\nassert sum(xs) == 3",  # a variable: the builtin
+        "assert sum([len('ab'), 1]) == 3",  # a computed argument: the builtin
+        "assert list(map(sum, [[1, 2]])) == [3]",  # not called here: the builtin
+        "assert sum([double(1), 1]) == 3",  # another function of the solution is under test: the builtin
+        "assert sum(10, 15) == 6 and double(3) == 6",  # so here too (one process would call the solution's)
+    ]
+    assert run(host, SUM, *cases, strict=strict) == [PASSED, (CaseStatus.ERROR, "raised TypeError")] + \
+        [PASSED] * 4 + [(CaseStatus.ERROR, "raised TypeError")]
+
+
 def test_what_would_hand_the_solution_the_verdict_is_refused(host):
     solution = ("class math:\n"  # a fake module: the case would pass it the expected value
                 "    isclose = staticmethod(lambda *a, **k: True)\n"

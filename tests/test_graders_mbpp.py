@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +13,10 @@ from image_builder.graders import (AssertTask, CaseStatus, GradeOptions, Predict
 from image_builder.runtime.execution import RunRequest
 from tests.support.grader_data import MBPP_IMPOSSIBLE, MBPP_TASKS, function_name, mbpp_solutions
 from tests.support.host_executor import HostExecutor
+
+# MBPP's canonical test split, tasks 126 and 367, as verl rows; extra_info.mbpp keeps MBPP's own record
+# (text, code, test_list, test_setup_code). A case is test_setup_code, a newline, then the assert.
+MBPP_TEST_126_367 = Path(__file__).parent / "fixtures" / "mbpp_test_126_367.jsonl"
 
 
 @pytest.fixture(scope="module")
@@ -208,3 +213,40 @@ def test_feedback_to_the_candidate_per_access_mode(host, impossible, solutions):
     opened = candidate_feedback(result, TestAccess.OPEN)
     assert opened.startswith("failed: case 2: assertion failed\ncase 0: passed\ncase 1: passed\ncase 2: failed")
     assert "AssertionError" in opened
+
+
+# --- MBPP's test split: a builtin-named function under test (126), a setup that builds trees (367) ----------
+
+def mbpp_records() -> dict[str, dict]:
+    return {str(r["extra_info"]["task_id"]): r["extra_info"]["mbpp"]
+            for r in map(json.loads, MBPP_TEST_126_367.read_text().splitlines())}
+
+
+def test_the_fixture_holds_mbpp_as_its_reference_harness_runs_it(host):
+    """Each case is the setup code then one assert of test_list; MBPP's harness (the code, the setup and the
+    asserts exec'd in one namespace) passes them, and 126's cases do call the solution's `sum`."""
+    records, tasks = mbpp_records(), {t.task_id: t for t in load_tasks(MBPP_TEST_126_367)}
+    assert sorted(tasks) == ["126", "367"]
+    for task_id, record in records.items():
+        setup = record["test_setup_code"]
+        assert tasks[task_id].cases == tuple((setup + "\n" if setup else "") + t for t in record["test_list"])
+        script = "\n".join([record["code"], setup, *record["test_list"]])
+        done = host.run(RunRequest(argv=("python3", "t.py"), files={"t.py": script.encode()}))
+        assert done.exit_code == 0, done.stderr
+    builtin_only = host.run(RunRequest(argv=("python3", "-c", records["126"]["test_list"][0])))
+    assert b"TypeError" in builtin_only.stderr  # the builtin sum would not do
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+def test_references_of_mbpp_126_and_367_pass_in_the_sandbox(mbpp_store, strict):
+    """Issue 30: the reference solutions of 126 (`def sum(a, b)`) and 367 (`root.left = Node(2)`) score 1 in
+    the real runtime (the store has no instance for them: they run in 512's environment, MBPP's one)."""
+    from image_builder.graders.grading import StoreExecutors
+    from image_builder.store.store import Store
+
+    records = mbpp_records()
+    with StoreExecutors(Store.open(mbpp_store), fallback="512") as executors:
+        for task in load_tasks(MBPP_TEST_126_367):
+            result = grade(task, records[task.task_id]["code"], executors(task), GradeOptions(strict=strict))
+            assert [(c.status, c.reason) for c in result.cases] == [(CaseStatus.PASSED, "")] * 3, task.task_id
+            assert result.score == 1.0

@@ -11,19 +11,28 @@ The evaluator holds the cases. It runs each case's code itself; each free name
 of the case that the solution defines becomes a stub here. Calling a stub (or
 reading an attribute of, iterating, indexing a value the solution returned)
 sends the arguments as plain data to the candidate's process, which holds the
-solution, and gets plain data back. Plain data: None, bool, int, float, complex,
-str, bytes, bytearray, list, tuple, set, frozenset, dict, the collections types
-(Counter, OrderedDict, defaultdict, deque, namedtuples), Decimal, Fraction,
-range; numpy numbers arrive as the Python numbers they hold. It is rebuilt here
-as values of those exact types, so `==` between plain values is Python's own, with the semantics of the
-original harness (a Counter equals its dict, 1 equals 1.0, a namedtuple its
-tuple). Arguments the solution mutates in place are copied back. Values of any
-other type (the solution's own classes, generators) stay in the candidate's
-process and are seen here as handles.
+solution, and gets plain data back. Plain data: None, bool, int, float,
+complex, str, bytes, bytearray, list, tuple, set, frozenset, dict, the
+collections types (Counter, OrderedDict, defaultdict, deque, namedtuples),
+Decimal, Fraction, range; numpy numbers arrive as the Python numbers they hold.
+It is rebuilt here as values of those exact types, so `==` between plain values
+is Python's own, with the semantics of the original harness (a Counter equals
+its dict, 1 equals 1.0, a namedtuple its tuple). Arguments the solution mutates
+in place are copied back. Values of any other type (the solution's own classes,
+generators) stay in the candidate's process and are seen here as handles.
+Writing an attribute or an item of a handle (MBPP 367's setup builds trees:
+`root = Node(1); root.left = Node(2)`; `del obj.x`, `table[k] = v`) is done
+there, to the solution's object: the value crosses as call arguments do, plain
+data as a copy (a list the case keeps mutating afterwards is not the object's),
+the solution's own objects as themselves, the case's objects as handles the
+solution can only call. Only the write's exception comes back, raised in the
+case as in one process; nothing else of its reply is used, and names starting
+with `__` are refused, as they are for reads.
 
 What it defends: the candidate's process never holds the case source, the
 expected values, the verdict or anything that leads to them. It gets the names
-the case uses and the arguments of its calls, nothing else. So nothing done
+the case uses (builtin ones too), the arguments of its calls and the values
+it writes into the solution's objects, nothing else. So nothing done
 there (reading its script or the caller's frames, patching builtins, `sys`,
 `os.write`, tracing, an `__eq__` that is always true, leaving early with status
 0, atexit hooks) can touch the verdict: the candidate can only answer the calls.
@@ -32,11 +41,32 @@ there (reading its script or the caller's frames, patching builtins, `sys`,
   no truth value comes from the candidate's code at all (handles are never
   compared nor tested for truth), in the default mode handles compared with
   handles, and a handle's truth, ask the candidate, as the original harness did.
-- Builtins are always the real ones (a solution that defines `abs` or `sorted`
-  would be handed the expected value). A name the case uses as a module
+- A builtin name is the real builtin, unless the solution defines it and it is
+  the case's function under test (MBPP 126 asks for `sum(a, b)`: the case
+  `assert sum(10, 15) == 6` calls the solution's, as exec'ing the solution and
+  then the case in one namespace does). The rule, decided on the case's syntax
+  before it runs: the solution's definition of builtin name N is used, at every
+  call of N in the case, only if (1) every occurrence of N in the case is a call
+  whose arguments are all literals (constants, and tuple/list/set/dict displays
+  of them; no names, calls or operators), (2) the case names no other name the
+  solution binds (modules aside), and (3) the case does not bind N itself. Else
+  the real builtin. So the solution's N never sees a value derived from another
+  of its calls, nor one the case computed (a difference with the expected
+  value, a variable), and the function under test is the only one of the
+  solution in the case: a solution that redefines `sorted`, `set`, `abs` or
+  `round` to normalise a wrong answer into the expected one (`assert
+  set(f(x)) == set([1, 2])`, `assert abs(area(1) - 3.14) < 1e-3`, `assert
+  f(x) == sorted([2, 1])`) meets the real ones. An honest solution whose helper
+  shadows a builtin the case uses gets the builtin here where one process would
+  call its helper; a builtin-named function under test called with a variable
+  or next to another function of the solution gets the builtin too.
+  A name the case uses as a module
   (`math.isclose`) is imported here by the module's name, never the solution's
   object: a fake `math` would be handed the expected value too. A solution that
   binds such a name to something that is not a module fails the case.
+- An attribute or item write runs the solution's code (`__setattr__`, a
+  property, `__setitem__`) in the candidate's process, where nothing of the
+  verdict is; it answers nothing the case compares.
 - Messages from the candidate are data (a small tagged format decoded here in
   Python, checked in shape); nothing from it is evaluated, unpickled, unmarshalled
   or imported.
@@ -438,6 +468,7 @@ class Proxy(object):
 # --- the channel ---------------------------------------------------------------------------------
 # Messages are tuples: requests ("call", ref, [arg...], [(name, arg)...]), ("attr", ref, name),
 # ("iter"|"next"|"len"|"str"|"truth", ref), ("item", ref, key), ("compare", op, ref, other),
+# ("setattr", ref, name, value), ("delattr", ref, name), ("setitem", ref, key, value), ("delitem", ref, key),
 # ("names", [name...]); replies ("ok", value[, [(index, arg)...]]), ("raise", type name, text),
 # ("exit",). Every value in them is encoded apart (bytes), with the side's handles.
 
@@ -541,9 +572,7 @@ class CandidateChannel(Channel):
         return ("ok", self.codec.enc(result), changed)
 
     def op_attr(self, ref, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return self.answer(getattr(self.obj(ref), name))
+        return self.answer(getattr(self.obj(ref), _attr_name(name)))
 
     def op_iter(self, ref):
         return self.answer(iter(self.obj(ref)))
@@ -560,6 +589,22 @@ class CandidateChannel(Channel):
     def op_str(self, ref):
         return self.answer(str(self.obj(ref)))
 
+    def op_setattr(self, ref, name, value):
+        setattr(self.obj(ref), _attr_name(name), self.codec.dec(value))
+        return self.answer(None)
+
+    def op_delattr(self, ref, name):
+        delattr(self.obj(ref), _attr_name(name))
+        return self.answer(None)
+
+    def op_setitem(self, ref, key, value):
+        self.obj(ref)[self.codec.dec(key)] = self.codec.dec(value)
+        return self.answer(None)
+
+    def op_delitem(self, ref, key):
+        del self.obj(ref)[self.codec.dec(key)]
+        return self.answer(None)
+
     def op_truth(self, ref):
         return self.answer(bool(self.obj(ref)))
 
@@ -575,6 +620,13 @@ class CandidateChannel(Channel):
 
 
 MUTABLE = (list, dict, set, bytearray)
+
+
+def _attr_name(name):
+    """An attribute name the evaluator may read or write on the solution's object: none of the `__` ones."""
+    if type(name) is not str or name.startswith("__"):
+        raise AttributeError(name)
+    return name
 
 
 def binding(codec, value):
@@ -647,6 +699,19 @@ class CandidateObject(Proxy):
 
     def __getitem__(self, key):
         return self._peer.ask(("item", self._ref, self._peer.codec.enc(key)))
+
+    # Writes go to the solution's object; of the reply only an exception counts.
+    def __setattr__(self, name, value):
+        self._peer.ask(("setattr", self._ref, _attr_name(name), self._peer.codec.enc(value)))
+
+    def __delattr__(self, name):
+        self._peer.ask(("delattr", self._ref, _attr_name(name)))
+
+    def __setitem__(self, key, value):
+        self._peer.ask(("setitem", self._ref, self._peer.codec.enc(key), self._peer.codec.enc(value)))
+
+    def __delitem__(self, key):
+        self._peer.ask(("delitem", self._ref, self._peer.codec.enc(key)))
 
     def __str__(self):
         return self._peer.ask(("str", self._ref))
@@ -775,6 +840,55 @@ def used_as_module(source, name):
     return read
 
 
+def is_under_test(source, name, solutions):
+    """Whether builtin name `name`, which the solution defines, is the case's function under test (the
+    module docstring's rule): every occurrence of it is a call with literal arguments only, the case binds
+    it nowhere, and it is the only name of `solutions` (the solution's names, modules aside) the case
+    names."""
+    import ast
+    occurrences, calls = 0, 0
+    for node in ast.walk(ast.parse(source)):
+        if _binds(node, name):
+            return False
+        if isinstance(node, ast.Name) and node.id in solutions:
+            if node.id != name:
+                return False  # another name of the solution: that one is under test
+            occurrences += 1
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name:
+            if not (all(_literal(a) for a in node.args)
+                    and all(k.arg is not None and _literal(k.value) for k in node.keywords)):
+                return False
+            calls += 1
+    return occurrences == calls > 0  # a bare `sum` (handed to map, say) is the builtin
+
+
+def _literal(node):
+    """A constant, or a tuple/list/set/dict display of literals, or a signed number: the case's own data."""
+    import ast
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return all(_literal(e) for e in node.elts)
+    if isinstance(node, ast.Dict):
+        return all(k is not None and _literal(k) and _literal(v) for k, v in zip(node.keys, node.values))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        return _literal(node.operand)
+    return type(node).__name__ in ("Constant", "Num", "Str", "Bytes", "NameConstant", "Ellipsis")  # 3.6, 3.7 too
+
+
+def _binds(node, name):
+    """Whether the node binds `name` (an assignment, def, class, import, parameter, except/match target,
+    global/nonlocal, keyword argument: conservatively, any field that names it)."""
+    import ast
+    if isinstance(node, ast.Name):
+        return node.id == name and not isinstance(node.ctx, ast.Load)
+    if isinstance(node, (ast.Global, ast.Nonlocal)):
+        return name in node.names
+    for field in ("name", "asname", "arg", "rest"):
+        value = getattr(node, field, None)
+        if isinstance(value, str) and value.split(".")[0] == name:
+            return True
+    return False
+
+
 def evaluate(channel, index, source, scratch):
     """One case: its verdict as (kind, detail, traceback)."""
     import builtins
@@ -785,7 +899,8 @@ def evaluate(channel, index, source, scratch):
         code = compile(source, path, "exec", dont_inherit=True, optimize=0)  # asserts kept whatever the flags
     except (SyntaxError, ValueError) as exc:
         return ("bad_case", "the case does not compile: %s" % exc, "")
-    asked = sorted(n for n in code_names(code) if not hasattr(builtins, n))  # builtins: always the real ones
+    # Builtin names too: the solution may define one as its function under test (bind() decides).
+    asked = sorted(n for n in code_names(code) if not n.startswith("__"))
     namespace = {"__name__": "__main__", "__builtins__": builtins}
     channel.refusal, channel.gone = None, False
     try:
@@ -810,9 +925,16 @@ def bind(channel, namespace, bindings, asked, source):
         bindings = [(_str(name), _str(kind), value) for name, (kind, value) in _list(bindings)]
     except (TypeError, ValueError):
         raise ProtocolError("malformed bindings")
+    import builtins
+    bindings = [b for b in bindings if b[0] in asked]
+    shadowing = [name for name, kind, _ in bindings if hasattr(builtins, name) and kind != "module"]
+    under_test = ()
+    if shadowing:  # rare: only then is the case parsed
+        solutions = set(name for name, kind, _ in bindings if kind != "module")
+        under_test = [name for name in shadowing if is_under_test(source, name, solutions)]
     for name, kind, value in bindings:
-        if name not in asked:
-            continue
+        if hasattr(builtins, name) and name not in under_test:
+            continue  # the real builtin
         if kind == "module":
             module = _import(_str(value))
             if module is not None:  # else the case gets a NameError, as it would without the import
