@@ -13,11 +13,17 @@ records with those keys, or in CodeContests's layout (`tests`: a list of
 `{"input", "output"}`). Any of them may say how output is compared: `compare`
 (a mode of `graders.stdio.COMPARE_MODES`), `checker` (Python source of a
 checker, which implies `compare: checker`) and `tolerance` (float mode's).
+
+JSONL is read a line at a time, each line bounded ($IMAGE_BUILDER_MAX_LINE, 64 MiB
+by default): a longer line stops the read in one line naming the file and line,
+and memory stays bounded by the bound, however long the line.
 """
 
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
@@ -27,6 +33,43 @@ from image_builder.errors import ImageBuilderError
 
 class DatasetError(ImageBuilderError):
     """A task or prediction file that cannot be read."""
+
+
+MAX_LINE_ENV = "IMAGE_BUILDER_MAX_LINE"
+DEFAULT_MAX_LINE = 64 << 20  # bytes of one JSONL line: far past any real record, and what one line may cost
+
+
+def max_line_bytes() -> int:
+    """The longest JSONL line read: $IMAGE_BUILDER_MAX_LINE (bytes; K, M, G: binary), else DEFAULT_MAX_LINE."""
+    text = os.environ.get(MAX_LINE_ENV, "").strip()
+    if not text:
+        return DEFAULT_MAX_LINE
+    digits, scale = text.upper().removesuffix("B"), 1
+    if digits[-1:] in ("K", "M", "G"):
+        digits, scale = digits[:-1], 1 << (10 * ("KMG".index(digits[-1]) + 1))
+    if not (digits.isascii() and digits.isdigit()) or int(digits) == 0:
+        raise DatasetError(f"{MAX_LINE_ENV}={text!r}: not a byte count such as 67108864, 64M or 1G")
+    return int(digits) * scale
+
+
+def read_lines(path: Path, limit: int | None = None) -> Iterator[tuple[int, bytes]]:
+    """(line number, line without its newline) of a file, each read with a bounded readline:
+    a line over `limit` bytes (default max_line_bytes()) raises DatasetError naming path:line, so
+    memory stays bounded by the limit whatever the file holds."""
+    limit = max_line_bytes() if limit is None else limit
+    try:
+        with open(path, "rb") as f:
+            number = 0
+            while line := f.readline(limit + 1):
+                number += 1
+                if line.endswith(b"\n"):
+                    line = line[:-1]
+                elif len(line) > limit:
+                    raise DatasetError(f"{path}:{number}: a line longer than {limit} bytes; a record that long is "
+                                       f"refused (raise {MAX_LINE_ENV} to read it)")
+                yield number, line
+    except OSError as exc:
+        raise DatasetError(f"{path}: cannot read: {exc.strerror}") from None
 
 
 @dataclass(frozen=True)
@@ -209,8 +252,9 @@ def _test_list(value: Any) -> tuple[str, ...]:
     return tuple(tests)
 
 
-def read_records(path: Path) -> list[tuple[str, Any]]:
-    """(fallback id, record) for each row of a .parquet or each line of a JSONL file."""
+def read_records(path: Path, max_line: int | None = None) -> list[tuple[str, Any]]:
+    """(fallback id, record) for each row of a .parquet or each line of a JSONL file (each line
+    at most `max_line` bytes, default $IMAGE_BUILDER_MAX_LINE: read_lines)."""
     if path.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
@@ -222,18 +266,15 @@ def read_records(path: Path) -> list[tuple[str, Any]]:
         except (OSError, ValueError, TypeError, NotImplementedError, pa.ArrowException) as exc:
             raise DatasetError(f"{path}: not a readable parquet file: {' '.join(str(exc).split())}") from None
         return [(f"row {i}", row) for i, row in enumerate(rows)]
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise DatasetError(f"{path}: cannot read: {exc.strerror}") from None
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise DatasetError(f"{path}: not UTF-8 text (byte {exc.start}); JSONL must be UTF-8, and a parquet file "
-                           "needs the .parquet suffix") from None
-    records = []
-    # "\n" only: JSON strings may hold U+2028 and other characters str.splitlines() breaks on.
-    for number, line in enumerate(text.split("\n"), 1):
+    records, offset = [], 0
+    for number, data in read_lines(path, max_line):
+        try:
+            # "\n" only splits lines: JSON strings may hold U+2028 and other characters str.splitlines() breaks on.
+            line = data.decode("utf-8-sig" if number == 1 else "utf-8")
+        except UnicodeDecodeError as exc:
+            raise DatasetError(f"{path}:{number}: not UTF-8 text (byte {offset + exc.start} of the file); JSONL "
+                               "must be UTF-8, and a parquet file needs the .parquet suffix") from None
+        offset += len(data) + 1
         if line.strip():
             try:
                 records.append((f"line {number}", json.loads(line)))
@@ -247,9 +288,9 @@ def read_records(path: Path) -> list[tuple[str, Any]]:
     return records
 
 
-def load_tasks_with_rows(path: Path) -> list[tuple[str, Task]]:
+def load_tasks_with_rows(path: Path, max_line: int | None = None) -> list[tuple[str, Task]]:
     """(where in the file: "line N" or "row N", task) for each record; an id that appears twice raises."""
-    tasks = [(fallback, task_from_record(record, fallback)) for fallback, record in read_records(path)]
+    tasks = [(fallback, task_from_record(record, fallback)) for fallback, record in read_records(path, max_line)]
     seen: set[str] = set()
     for where, task in tasks:
         if task.task_id in seen:
@@ -259,5 +300,5 @@ def load_tasks_with_rows(path: Path) -> list[tuple[str, Task]]:
     return tasks
 
 
-def load_tasks(path: Path) -> list[Task]:
-    return [task for _, task in load_tasks_with_rows(path)]
+def load_tasks(path: Path, max_line: int | None = None) -> list[Task]:
+    return [task for _, task in load_tasks_with_rows(path, max_line)]

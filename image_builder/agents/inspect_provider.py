@@ -224,7 +224,9 @@ async def _score_current() -> AgentScore:
 
 @scorer(metrics=[accuracy()])
 def submission_scorer():
-    """The sample's current diff graded in a fresh instance, in the sandbox's access mode."""
+    """The sample's current diff graded in a fresh instance, in the sandbox's access mode; a
+    submission that cannot be taken (AgentSandbox.score) is INCORRECT, its metadata's reason
+    saying why (the explanation is what the access mode lets the agent hear)."""
 
     async def score(state: TaskState, target: Target) -> Score:
         got = await _score_current()
@@ -233,7 +235,7 @@ def submission_scorer():
                      explanation=got.feedback[-4000:],
                      metadata={"access": repo.access if repo else None,
                                "reverted_files": repo.reverted_files if repo else [],
-                               "status": got.result.status.value})
+                               "status": got.result.status.value, "reason": got.result.reason[-4000:]})
     return score
 
 

@@ -29,7 +29,12 @@ no verdict (graders/access.py); the mode decides what the agent sees and hears.
 score() grades the current diff in a fresh instance (graders.grade on a new
 session of the same layers): nothing the agent left running in its sandbox, nor any
 file it left there, takes part. Up to `max_scores` times, each with the feedback
-text the grader gives that mode. score(in_place=True) grades in the sandbox itself,
+text the grader gives that mode. A candidate scoring cannot take (solution.py not a
+regular file, a symlink, over MAX_SUBMISSION bytes or not UTF-8; a diff git cannot take,
+or one adding more than MAX_SUBMISSION bytes) is a failed score whose result says why
+(no_solution, patch_failed), never an exception; reading it takes bounded time and
+memory (a FIFO is never opened, sizes are known before anything is read).
+score(in_place=True) grades in the sandbox itself,
 as ImpossibleBench's own scorer does: the same grader and verdicts, on the workdir
 put back to the instance's commit for the run (then to the agent's state again), so
 what the agent installed elsewhere takes part, and what it left running can read
@@ -49,7 +54,7 @@ from image_builder.graders.grade import grade
 from image_builder.graders.grading import StoreExecutors, instance_of
 from image_builder.graders.options import GradeOptions
 from image_builder.graders.patches import touched_paths
-from image_builder.graders.results import GradeResult
+from image_builder.graders.results import GradeResult, TaskStatus
 from image_builder.runtime.execution import Bind, RunRequest, RunResult
 from image_builder.runtime.mounts import RunnerError
 from image_builder.runtime.sandbox import DEFAULT_IDLE, Sandbox
@@ -61,6 +66,16 @@ SOLUTION_FILE = "solution.py"  # where a function or program task's agent leaves
 _TASK_KINDS = {kind.__name__: kind for kind in (AssertTask, StdioTask, RepoTask)}
 
 _DIFF_TIMEOUT = 300.0
+_READ_TIMEOUT = 60.0  # reading solution.py: head of a regular file, unless the agent swapped in a FIFO meanwhile
+# The most of a candidate scored: solution.py, or what the diff adds (as `grade` reads a predictions line).
+MAX_SUBMISSION = 64 << 20
+# The patch itself: a binary file's is ~1.3x its size, and removed lines (a deleted binary's old bytes) count too.
+_MAX_PATCH = 2 * MAX_SUBMISSION
+# solution.py read as a candidate: a regular file only (a FIFO is never opened, where reading would block;
+# a device never read; a symlink never followed, wherever it points), one byte past the bound at most.
+_READ_SOLUTION = ('[ -L "$1" ] && exit 6; [ -e "$1" ] || exit 3; [ -d "$1" ] && exit 4; [ -p "$1" ] && exit 8; '
+                  '[ -f "$1" ] || exit 7; exec head -c "$2" -- "$1"')
+_NOT_READ = {6: "is a symbolic link", 4: "is a directory", 8: "is a FIFO", 7: "is a device or a socket"}
 # The start of a sandbox is committed by this identity, at a fixed date: nothing of the host in it.
 _GIT_START = ["git", "-c", "user.name=image-builder", "-c", "user.email=image-builder@localhost",
               "-c", "commit.gpgsign=false"]
@@ -153,23 +168,70 @@ class AgentSandbox(Sandbox):
 
     def diff(self) -> str:
         """The candidate patch: every change in the workdir since the instance's commit,
-        new and binary files included (as text: git's binary patches are ASCII)."""
+        new and binary files included (as text: git's binary patches are ASCII); RunnerError
+        when git cannot take it, or it adds more than MAX_SUBMISSION bytes."""
+        patch, why = self._take_diff()
+        if patch is None:
+            raise RunnerError(f"{self.instance.id}: cannot take the diff: {why}")
+        return patch
+
+    def _take_diff(self) -> tuple[str | None, str]:
+        """The diff, or None and why the workdir gives none (what the agent left in it: a file
+        too large, one git cannot add, a broken .git)."""
         if self.base_commit is None:
             raise RunnerError(f"{self.instance.id}: the workdir {self.instance.workdir} is not a git checkout; "
                               "there is no diff to take")
         add = self.exec(["git", "add", "-A"], timeout=_DIFF_TIMEOUT)
+        if not add.ok:
+            return None, _failed(add, "git add -A")
+        # What the diff adds, by size, before the patch is made: over the bound, it is neither made nor read.
+        raw = self.exec(["git", "diff", "--cached", "--raw", "-z", "--no-abbrev", "--no-renames", self.base_commit],
+                        timeout=_DIFF_TIMEOUT, max_output=MAX_SUBMISSION)
+        if not raw.ok or raw.truncated:
+            return None, "too many changed files to list" if raw.truncated else _failed(raw, "git diff --raw")
+        fields = raw.stdout.split(b"\0")
+        added = [(meta.split()[3].decode(), path.decode(errors="replace"))
+                 for meta, path in zip(fields[0::2], fields[1::2]) if meta.count(b" ") == 4]
+        added = [(sha, path) for sha, path in added if sha.strip("0")]  # an all-zero id: a deletion
+        sizes = self.exec(["git", "cat-file", "--batch-check=%(objectsize)"], timeout=_DIFF_TIMEOUT,
+                          input="".join(f"{sha}\n" for sha, _ in added), max_output=64 << 20)
+        if not sizes.ok:
+            return None, _failed(sizes, "git cat-file")
+        counted = [(int(n), path) for n, (_, path) in zip(sizes.stdout.split(b"\n"), added) if n.isdigit()]
+        total = sum(n for n, _ in counted)
+        if total > MAX_SUBMISSION:
+            size, path = max(counted)
+            return None, (f"the diff adds {total} bytes (the largest file: {path}, {size} bytes); at most "
+                          f"{MAX_SUBMISSION} are scored")
         diff = self.exec(["git", "-c", "core.quotepath=off", "diff", "--cached", "--binary", "--no-color",
-                          "--no-ext-diff", self.base_commit], timeout=_DIFF_TIMEOUT, max_output=256 << 20)
-        for step in (add, diff):
-            if step.exit_code != 0 or step.truncated:
-                why = step.stderr.decode(errors="replace").strip() or "its output went over 256 MiB"
-                raise RunnerError(f"{self.instance.id}: cannot take the diff: {why}")
-        return diff.stdout.decode(errors="surrogateescape")
+                          "--no-ext-diff", self.base_commit], timeout=_DIFF_TIMEOUT, max_output=_MAX_PATCH)
+        if not diff.ok or diff.truncated:
+            return None, f"the patch is over {_MAX_PATCH} bytes" if diff.truncated else _failed(diff, "git diff")
+        return diff.stdout.decode(errors="surrogateescape"), ""
+
+    def _read_solution(self) -> tuple[str | None, str]:
+        """solution.py's text ("" when there is none: graded as an empty solution, every case
+        failing), or None and why it is refused (_READ_SOLUTION says what is read)."""
+        r = self.exec(["sh", "-c", _READ_SOLUTION, "read_solution", self._path(SOLUTION_FILE),
+                       str(MAX_SUBMISSION + 1)], timeout=_READ_TIMEOUT, max_output=MAX_SUBMISSION + 1)
+        if r.exit_code == 3:
+            return "", ""
+        if r.exit_code in _NOT_READ:
+            return None, f"{SOLUTION_FILE} {_NOT_READ[r.exit_code]}, not a regular file: nothing was graded"
+        if not r.ok:
+            return None, _failed(r, f"reading {SOLUTION_FILE}")
+        if r.truncated or len(r.stdout) > MAX_SUBMISSION:
+            return None, f"{SOLUTION_FILE} is over {MAX_SUBMISSION} bytes: nothing was graded"
+        try:
+            return r.stdout.decode(), ""
+        except UnicodeDecodeError as e:
+            return None, f"{SOLUTION_FILE} is not UTF-8 text (byte {e.start}): nothing was graded"
 
     def score(self, options: GradeOptions | None = None, *, in_place: bool = False) -> AgentScore:
         """Grade the current diff (function and program tasks: solution.py) in a fresh
         instance, in the sandbox's access mode; `in_place`: in this sandbox (the module
-        docstring says what that lets in)."""
+        docstring says what that lets in). A candidate that cannot be taken is a failed
+        score, its result's reason saying why."""
         if self.task is None:
             raise RunnerError(f"{self.instance.id}: this sandbox was opened without a task; there is nothing to "
                               "score against")
@@ -179,16 +241,16 @@ class AgentSandbox(Sandbox):
         if self.max_scores is not None and self.scores >= self.max_scores:
             raise RunnerError(f"{self.instance.id}: already scored {self.scores} times, the most this sandbox allows")
         self.scores += 1
-        if isinstance(self.task, RepoTask):
-            submission = self.diff()
-        else:
-            try:
-                submission = self.read_file(SOLUTION_FILE)
-            except (FileNotFoundError, IsADirectoryError, UnicodeDecodeError):
-                submission = ""  # graded as an empty solution: every case fails
+        repo = isinstance(self.task, RepoTask)
+        submission, refused = self._take_diff() if repo else self._read_solution()
+        if submission is None:
+            kind, status = ("repo", TaskStatus.PATCH_FAILED) if repo else \
+                ("assert" if isinstance(self.task, AssertTask) else "stdio", TaskStatus.NO_SOLUTION)
+            result = GradeResult(self.task.task_id, kind, status, reason=refused)
+            return AgentScore(result, candidate_feedback(result, self.access), "")
         options = replace(options or GradeOptions(), access=self.access)
         if in_place:
-            with self._as_instance(submission) if isinstance(self.task, RepoTask) else nullcontext():
+            with self._as_instance(submission) if repo else nullcontext():
                 result = grade(self.task, submission, _InPlace(self), options)
         else:
             with StoreExecutors(self.store, backend=self.backend) as pool:
@@ -230,6 +292,14 @@ class _InPlace:
 
     def stream(self, request: RunRequest, stdin: int | None = None, stdout: int = 1, stderr: int = 2) -> RunResult:
         return self.box.stream(self._placed(request), stdin, stdout, stderr)
+
+
+def _failed(step: RunResult, what: str) -> str:
+    """Why a step on the agent's workdir failed, in one line."""
+    if step.timed_out:
+        return f"{what} timed out"
+    why = step.stderr.decode(errors="replace").strip().splitlines()
+    return f"{what} failed: {why[-1] if why else f'exit status {step.exit_status}'}"
 
 
 def _visible_tests(task: AssertTask | StdioTask) -> dict[str, str]:

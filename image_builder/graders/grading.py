@@ -14,6 +14,7 @@ in the predictions' order, with its summary.
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator
@@ -28,7 +29,7 @@ from image_builder.runtime.session import Backend, InstanceLayers, Session
 from image_builder.store.files import atomic_write
 from image_builder.store.store import Store, UnknownInstance
 from image_builder.store.ids import file_name
-from image_builder.tasks import RepoTask, Task
+from image_builder.tasks import RepoTask, Task, max_line_bytes, read_lines
 from .grade import TaskIndex, grade_prediction
 from .options import GradeOptions
 from .predictions import Prediction
@@ -140,10 +141,16 @@ class _InstanceExecutor:
             self._pool._release(self._key)
 
 
+# A result line holds its run's whole test log (repo_max_output, 64 MiB), up to 6 bytes a byte
+# as JSON escapes it: results are read a line at a time up to this, never a whole file at once.
+RESULT_MAX_LINE = 512 << 20
+
+
 def read_results(output: Path) -> list[GradeResult]:
-    """The results a file holds (a line cut short by a crash is skipped)."""
+    """The results a file holds (a line cut short by a crash is skipped; one over RESULT_MAX_LINE
+    or $IMAGE_BUILDER_MAX_LINE, whichever is more, is refused in one line naming it)."""
     out = []
-    for line in output.read_text().splitlines() if output.exists() else ():
+    for _, line in read_lines(output, max(RESULT_MAX_LINE, max_line_bytes())) if output.exists() else ():
         try:
             out.append(GradeResult.from_dict(json.loads(line)))
         except (ValueError, KeyError, TypeError):
@@ -250,11 +257,25 @@ def regrade(results: Path, tasks: Iterable[Task], output: Path) -> tuple[Summary
 
 
 def _drop_partial_line(output: Path) -> None:
-    """A run killed mid-write leaves half a line: cut it so appends start clean."""
-    if output.exists():
-        data = output.read_bytes()
-        if data and not data.endswith(b"\n"):
-            output.write_bytes(data[: data.rfind(b"\n") + 1])
+    """A run killed mid-write leaves half a line: cut it so appends start clean (read from the end
+    back to the last newline: the file may be larger than memory)."""
+    if not output.exists():
+        return
+    with open(output, "r+b") as f:
+        end = f.seek(0, os.SEEK_END)
+        pos = end
+        while pos > 0:
+            step = min(pos, 1 << 20)
+            f.seek(pos - step)
+            chunk = f.read(step)
+            if pos == end and chunk.endswith(b"\n"):
+                return
+            cut = chunk.rfind(b"\n")
+            if cut >= 0:
+                f.truncate(pos - step + cut + 1)
+                return
+            pos -= step
+        f.truncate(0)
 
 
 def shard_predictions(predictions: list[Prediction], tasks: Iterable[Task], shard: tuple[int, int]

@@ -5,6 +5,9 @@ root: parent directories are walked one component at a time with O_NOFOLLOW
 directory handles, symlinks met on the way are spliced in relative to the root,
 and the final component is never followed. All changes go through those
 handles (the *at system calls), so nothing outside the root can be touched.
+An entry deeper than pack.overlay's MAX_DEPTH, with a path longer than its
+MAX_PATH (where it lands: symlinks on the way count), or a name or link target
+longer than the kernel takes, refuses the layer in one line.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import BinaryIO, Callable, Sequence, TypeVar
 import zstandard
 
 from image_builder.errors import ImageBuilderError
+from image_builder.pack.overlay import MAX_DEPTH, MAX_PATH, shown_path
 
 _T = TypeVar("_T")
 
@@ -41,6 +45,9 @@ _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _NOT_A_DIR = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
 
 _UNTRUSTED = "refusing the layer: the image is malformed or malicious, do not use it"
+_TOO_DEEP = (f"refusing the layer: image-builder takes paths at most {MAX_DEPTH} levels deep and "
+             f"{MAX_PATH} bytes long")
+_NAME_MAX, _PATH_MAX = 255, 4096  # Linux's: longer fails in the kernel, as ENAMETOOLONG
 _CORRUPT = "the blob is corrupt or truncated: delete it from the cache and pull again"
 _STREAM_ERRORS = (
     tarfile.TarError, EOFError, zlib.error, lzma.LZMAError, zstandard.ZstdError, gzip.BadGzipFile,
@@ -171,7 +178,7 @@ class _Tree:
         self._fds.clear()
 
     def _error(self, entry: str, problem: str, hint: str = _UNTRUSTED) -> LayerError:
-        return LayerError(f"{self._layer}: entry {entry!r}: {problem}; {hint}")
+        return LayerError(f"{self._layer}: entry {shown_path(repr(entry))}: {problem}; {hint}")
 
     # -- one layer ---------------------------------------------------------
 
@@ -207,6 +214,10 @@ class _Tree:
         parts = _components(m.name)
         if ".." in parts:
             raise self._error(m.name, "path contains '..'")
+        if len(parts) > MAX_DEPTH:
+            raise self._error(m.name, f"a path {len(parts)} levels deep", _TOO_DEEP)
+        if len(os.fsencode(m.linkname)) >= _PATH_MAX:
+            raise self._error(m.name, f"a link target of {len(os.fsencode(m.linkname))} bytes", _TOO_DEEP)
         if not parts:  # "./" or "/": the root itself
             if not m.isdir():
                 raise self._error(m.name, "a non-directory would replace the root")
@@ -218,6 +229,7 @@ class _Tree:
             return
         parent, pfd = self._resolve(m.name, parts[:-1], create=True)
         canon = _join(parent, base)
+        self._check_path(m.name, canon, base)
         if m.isreg():
             self._write_file(tar, m, pfd, base, canon)
         elif m.isdir():
@@ -312,6 +324,7 @@ class _Tree:
                 continue
             cur, fd = stack[-1]
             child = _join(cur, name)
+            self._check_path(entry, child, name)
             cfd = self._fds.get(child)
             if cfd is None:
                 try:
@@ -342,6 +355,15 @@ class _Tree:
         canon, fd = stack[-1]
         self._resolved[key] = canon
         return canon, fd
+
+    def _check_path(self, entry: str, canon: str, name: str) -> None:
+        """Where an entry lands (symlinks on the way spliced in) within the bounds the rest of
+        the pipeline takes (pack.overlay.MAX_DEPTH, MAX_PATH), its name within the kernel's."""
+        if len(os.fsencode(name)) > _NAME_MAX:
+            raise self._error(entry, f"a name of {len(os.fsencode(name))} bytes (at most {_NAME_MAX})", _TOO_DEEP)
+        if canon.count("/") >= MAX_DEPTH or len(os.fsencode(canon)) > MAX_PATH:
+            raise self._error(entry, f"it reaches {canon.count('/') + 1} levels deep, at a path of "
+                                     f"{len(os.fsencode(canon))} bytes", _TOO_DEEP)
 
     def _forget(self, canon: str) -> None:
         """Drop cached lookups after the directory or symlink at canon was removed."""

@@ -15,15 +15,27 @@ that form, whatever wrote it:
 
 Other overlayfs bookkeeping xattrs are dropped. Unprivileged users may create
 0:0 character devices (Linux 5.8+), so this works rootless too.
+
+Trees are walked without recursion (Python 3.11's os.walk recurses, and a tree
+2,000 directories deep ended an import with RecursionError); a tree deeper than
+MAX_DEPTH, or with a directory path too long for PATH_MAX, is refused in one line.
 """
 
 from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from image_builder.errors import ImageBuilderError
+
+# The trees the pipeline takes (layers.py refuses a layer past these): what every real image
+# stays within, and room for the recursive tools after us (shutil.rmtree, mksquashfs, ...).
+MAX_DEPTH = 256  # levels (path components) of an entry below the tree's top
+MAX_PATH = 3072  # bytes of an entry's path below the top: room under PATH_MAX for where the tree lies
+_PATH_MAX, _NAME_MAX = 4096, 255  # Linux's
 
 WHITEOUT_PREFIX = ".wh."
 OPAQUE_MARKER = ".wh..wh..opq"
@@ -35,6 +47,58 @@ class DiffStats:
     entries: int
     whiteouts: int
     opaque_dirs: int
+
+
+class TreeError(ImageBuilderError):
+    """A tree too deep, or with paths too long, to be walked."""
+
+
+def shown_path(path: str, keep: int = 160) -> str:
+    """A path for a one-line message: its ends, when it is long."""
+    return path if len(path) <= keep else f"{path[:keep // 2]}...{path[-keep // 2:]}"
+
+
+def walk(top: Path | str, topdown: bool = True) -> Iterator[tuple[str, list[str], list[str]]]:
+    """os.walk(top, topdown) without recursion: the same (dirpath, dirnames, filenames) in the
+    same order, symlinks not followed, a directory that cannot be listed skipped (as os.walk
+    does); topdown, a caller may prune dirnames. TreeError for an entry deeper than MAX_DEPTH
+    below top, or a directory whose path leaves its entries no room under PATH_MAX."""
+    top = os.fspath(top)
+    stack: list = [(top, 0)]
+    while stack:
+        item = stack.pop()
+        if len(item) == 3:  # bottom-up: a directory whose subdirectories were all walked
+            yield item
+            continue
+        dirpath, depth = item
+        if len(os.fsencode(dirpath)) > _PATH_MAX - _NAME_MAX - 2:
+            _too_deep(top, dirpath, f"a directory at a path of {len(os.fsencode(dirpath))} bytes")
+        dirs, files, into = [], [], []
+        try:
+            with os.scandir(dirpath) as entries:
+                for entry in entries:
+                    try:
+                        is_dir = entry.is_dir()
+                    except OSError:
+                        is_dir = False
+                    (dirs if is_dir else files).append(entry.name)
+                    if is_dir and not topdown and not entry.is_symlink():
+                        into.append(entry.name)
+        except OSError:
+            continue
+        if depth >= MAX_DEPTH and (dirs or files):
+            _too_deep(top, dirpath, f"entries {depth + 1} levels deep")
+        if topdown:
+            yield dirpath, dirs, files
+            into = [d for d in dirs if not os.path.islink(os.path.join(dirpath, d))]
+        else:
+            stack.append((dirpath, dirs, files))
+        stack.extend((os.path.join(dirpath, d), depth + 1) for d in reversed(into))
+
+
+def _too_deep(top: str, dirpath: str, what: str) -> None:
+    raise TreeError(f"{shown_path(top)}: {shown_path(os.path.relpath(dirpath, top))}: {what}; image-builder takes "
+                    f"trees at most {MAX_DEPTH} levels deep, with paths under {_PATH_MAX} bytes")
 
 
 def is_whiteout(st: os.stat_result) -> bool:
@@ -66,7 +130,7 @@ def normalise_upper(upper: Path, lower_children: Callable[[str], list[str]]) -> 
     directory; it is asked only for opaque directories.
     """
     entries = whiteouts = opaque = 0
-    for dirpath, dirnames, filenames in os.walk(upper):
+    for dirpath, dirnames, filenames in walk(upper):
         rel_dir = os.path.relpath(dirpath, upper)
         rel_dir = "" if rel_dir == "." else rel_dir
         names = set(dirnames) | set(filenames)
@@ -113,7 +177,7 @@ def diff_trees(lower: Path, full: Path, upper: Path) -> DiffStats:
     re-adds a checkout its environment holds costs only what changed)."""
     entries = whiteouts = 0
     upper.mkdir(parents=True, exist_ok=True)
-    for dirpath, dirnames, filenames in os.walk(full):
+    for dirpath, dirnames, filenames in walk(full):
         rel = Path(os.path.relpath(dirpath, full))
         low_dir = lower / rel
         low_is_dir = low_dir.is_dir() and not low_dir.is_symlink()
@@ -135,7 +199,7 @@ def diff_trees(lower: Path, full: Path, upper: Path) -> DiffStats:
                 _parents(upper, full, rel)
                 _whiteout(upper / rel / name)
                 whiteouts += 1
-    for dirpath, _, _ in sorted(os.walk(upper), key=lambda w: -len(w[0])):  # last, deepest first: exact modes
+    for dirpath, _, _ in sorted(walk(upper), key=lambda w: -len(w[0])):  # last, deepest first: exact modes
         twin = full / os.path.relpath(dirpath, upper)
         st = os.lstat(twin)
         os.chmod(dirpath, stat.S_IMODE(st.st_mode))
@@ -151,7 +215,7 @@ def prune_upper(upper: Path, lower: Path) -> DiffStats:
     diff_trees(lower, merged) would have written: an image's own layer that re-adds a
     checkout its environment holds costs only what changed."""
     entries = whiteouts = 0
-    for dirpath, dirnames, filenames in os.walk(upper, topdown=False):
+    for dirpath, dirnames, filenames in walk(upper, topdown=False):
         here = os.lstat(dirpath)
         low_dir = lower / os.path.relpath(dirpath, upper)
         for name in filenames + dirnames:
@@ -209,12 +273,32 @@ def _parents(upper: Path, full: Path, rel: Path) -> None:
 
 
 def _copy(src: Path, dest: Path) -> None:
+    """src (a tree too) to dest as it is: symlinks, fifos and devices as themselves, never
+    opened (shutil.copy2 refuses a fifo), without recursion (shutil.copytree recurses)."""
     import shutil
-    if src.is_symlink():
+    if not src.is_dir() or src.is_symlink():
+        _copy_entry(str(src), str(dest))
+        return
+    made = []
+    for dirpath, dirnames, filenames in walk(src):
+        there = os.path.normpath(os.path.join(dest, os.path.relpath(dirpath, src)))
+        os.mkdir(there, 0o700)
+        made.append((dirpath, there))
+        for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            _copy_entry(os.path.join(dirpath, name), os.path.join(there, name))
+    for dirpath, there in reversed(made):  # deepest first: a child's entries would change its parent's times
+        shutil.copystat(dirpath, there, follow_symlinks=False)
+
+
+def _copy_entry(src: str, dest: str) -> None:
+    import shutil
+    st = os.lstat(src)
+    if stat.S_ISLNK(st.st_mode):
         os.symlink(os.readlink(src), dest)
-        st = os.lstat(src)
-        os.utime(dest, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
-    elif src.is_dir():
-        shutil.copytree(src, dest, symlinks=True)
-    else:
-        shutil.copy2(src, dest, follow_symlinks=False)
+    elif stat.S_ISREG(st.st_mode):
+        shutil.copyfile(src, dest, follow_symlinks=False)
+    elif stat.S_ISFIFO(st.st_mode):
+        os.mkfifo(dest, 0o600)
+    else:  # a device (as root: a rootless flatten skips them)
+        os.mknod(dest, stat.S_IFMT(st.st_mode) | 0o600, st.st_rdev)
+    shutil.copystat(src, dest, follow_symlinks=False)  # as shutil.copy2: mode, times, xattrs
