@@ -155,7 +155,7 @@ def test_file_helpers_are_byte_exact_and_raise_local_errors(images, backend, sta
         ["read_file", {"path": "missing.txt"}],
         ["read_file", {"path": "new"}],
         ["write_file", {"path": "new", "data": ""}],
-        sh("ln -s /etc/hostname /testbed/new/link; mkfifo /testbed/new/fifo 2>/dev/null; true"),
+        sh("ln -s dir/file.bin /testbed/new/link; mkfifo /testbed/new/fifo 2>/dev/null; true"),
         ["download", {"path": "new", "host_path": str(host)}],
         ["exec", {"argv": ["pwd"], "cwd": "new/dir"}],
         ["exec", {"argv": ["pwd"], "cwd": "no/such/dir"}],
@@ -167,7 +167,7 @@ def test_file_helpers_are_byte_exact_and_raise_local_errors(images, backend, sta
     assert got[6].get("error") in (None, "RunnerError"), got[6]
     if "ok" in got[6]:  # mkfifo made a fifo: the download refuses it in one line; else the tree came
         assert {"dir", "dir/file.bin", "link"} <= set(got[6]["ok"])
-        assert (host / "dir" / "file.bin").read_bytes() == data and os.readlink(host / "link") == "/etc/hostname"
+        assert (host / "dir" / "file.bin").read_bytes() == data and os.readlink(host / "link") == "dir/file.bin"
     else:
         assert "fifo" in got[6]["message"]
     assert out(got[7]) == b"/testbed/new/dir\n"

@@ -58,12 +58,12 @@ def private_state_dir(path: Path) -> Path:
     take first, and a planted holder.log symlink would make us append wherever it points.
     Our own directory that only lets others read is narrowed to 700: no one else can
     have put anything in it. Refused too inside a directory another user could rename it
-    out of (_check_ancestors)."""
+    out of (check_ancestors)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path = Path(os.path.realpath(path.parent)) / path.name  # the directories checked are the ones used
     fix = "set XDG_RUNTIME_DIR to a directory of yours (mode 700)"
-    _check_ancestors(path, fix)
+    check_ancestors(path, fix)
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
@@ -89,21 +89,23 @@ def private_state_dir(path: Path) -> Path:
     raise RunnerError(f"state dir {path} is {why}: another user may control it; {fix}")
 
 
-def _check_ancestors(path: Path, fix: str) -> None:
+def check_ancestors(path: Path, fix: str, what: str = "state dir", itself: bool = False) -> None:
     """Refuse a state dir whose parents another user could rename it out of: each one up
     to / must be root's or ours, and writable by others only if sticky (as /tmp is), as
     OpenSSH checks the paths of its keys. A private dir of ours is otherwise swapped
-    after the check (XDG_RUNTIME_DIR is the user's to set, on HPC often a shared dir)."""
-    for d in path.parents:
+    after the check (XDG_RUNTIME_DIR is the user's to set, on HPC often a shared dir).
+    `itself`: `path` too, writable by no one else even if sticky (a sandbox's layer dir)."""
+    for d in (path, *path.parents) if itself else path.parents:
         st = os.lstat(d)
         mode = stat.S_IMODE(st.st_mode)
         if st.st_uid not in (0, os.geteuid()):
             why = f"owned by uid {st.st_uid}"
-        elif mode & 0o022 and not mode & stat.S_ISVTX:
-            why = f"mode {mode:o}, writable by others and not sticky"
+        elif mode & 0o022 and (d == path or not mode & stat.S_ISVTX):
+            why = f"mode {mode:o}, writable by others" + ("" if d == path else " and not sticky")
         else:
             continue
-        raise RunnerError(f"state dir {path} is inside {d}, {why}: another user may swap it; {fix}")
+        where, swapped = ("", "files in it") if d == path else (f"inside {d}, ", "it")
+        raise RunnerError(f"{what} {path} is {where}{why}: another user may swap {swapped}; {fix}")
 
 
 # --- what this host can do ------------------------------------------------------------------

@@ -365,6 +365,8 @@ class ExtractSession(Session):
             raise RunnerError("the extract backend cannot turn the network off (no namespaces here); pass "
                               "network=True to run with the host's network, or use a host with user namespaces")
         job = build_job(self.layers, request, self.max_processes)
+        if job["make_workdir"] and _resolve_in(self._root, job["workdir"]) is None:  # as init.c makes it
+            _inside_tree(self._root, job["workdir"].strip("/")).mkdir(parents=True)
         for path, data in job["files"].items():
             dest = _inside_tree(self._root, path.strip("/"))
             dest.parent.mkdir(parents=True, exist_ok=True)

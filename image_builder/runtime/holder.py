@@ -127,17 +127,19 @@ def recv_fds(sock: socket.socket, maxfds: int = 8, flags: int = 0) -> tuple[dict
 
 DEFAULT_MAX_PROCESSES = 1024
 IDLE_INIT = 60.0  # seconds a ready init waits for its job before it leaves
-_JOB_HEADER = struct.Struct("<4sIIIqqqqq")
+_JOB_HEADER = struct.Struct("<4sIIIqqqqqq")
 # In the holder's socket name (holder_session.holder_name): a holder of an older image_builder,
 # still lingering after an upgrade, is not handed jobs in a format its inits do not read.
-PROTOCOL = "IBJ4"
+PROTOCOL = "IBJ5"
+MAKE_WORKDIR = 1  # a job's flag: make its workdir where the instance lacks it (init.c)
 
 
 def encode_job(job: dict) -> bytes:
     """A job (runtime.build_job) as image-builder-init reads it (the format is in init.c)."""
     parts = [_JOB_HEADER.pack(PROTOCOL.encode(), len(job["argv"]), len(job["env"]), len(job["files"]),
                               -1 if job["timeout"] is None else int(job["timeout"] * 1e6), job["memory_mb"] or 0,
-                              job["max_processes"], job.get("uid", -1), job.get("gid", -1))]
+                              job["max_processes"], job.get("uid", -1), job.get("gid", -1),
+                              MAKE_WORKDIR if job.get("make_workdir") else 0)]
     for text in (job["workdir"], *job["argv"], *(f"{k}={v}" for k, v in job["env"].items()), *job["files"]):
         if "\0" in text:
             raise RunnerError(f"{text[:40]!r}: a NUL character cannot be passed to a command")
@@ -192,6 +194,36 @@ def _remove_tree(path: str) -> None:
 
     from image_builder.store.store import remove_tree
     remove_tree(Path(path))
+
+
+def _layer_file(directory: str) -> int:
+    """A new, empty file for a sandbox's layer on disk under `directory`, open read-write,
+    that no path leads to: made with O_EXCL|O_NOFOLLOW in a directory of its own (mode
+    700), then unlinked with it at once. Another user who can write in `directory` (the
+    client refuses such a one: sandbox.py) could otherwise swap a path there for a link
+    to any file between its making and its use, and have that file formatted."""
+    import tempfile
+
+    private = tempfile.mkdtemp(prefix=_LAYER_PREFIX, dir=directory)
+    try:
+        dfd = os.open(private, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            st = os.fstat(dfd)
+            if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != 0o700:
+                raise RunnerError(f"layer dir {directory}: {private} was swapped for another directory; give a "
+                                  "directory no other user can write to")
+            fd = os.open("layer", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                         dir_fd=dfd)
+            os.unlink("layer", dir_fd=dfd)
+        finally:
+            os.close(dfd)
+    finally:
+        try:
+            os.rmdir(private)
+        except OSError:
+            pass  # moved or replaced meanwhile (by a user who can write in `directory`): left as it is
+    return fd
+
 
 _STARTUP_GRACE = 10.0  # seconds a new holder waits for its first client
 # Ready inits kept for sessions to come, over all the layer stacks: a trainer touching
@@ -433,38 +465,39 @@ class Holder:
     def _disk_layer(self, directory: str, size_mb: int) -> str:
         """A sandbox's writable layer on node-local disk under `directory`, for the init's
         kept-layer path: an ext4 of `size_mb` as root (_ext4_layer), a directory rootless
-        (_rootless_layer: uncapped, a loop device needs root)."""
-        if not os.path.isabs(directory) or not os.path.isdir(directory):
-            raise RunnerError(f"layer dir {directory!r}: not an existing directory (give an absolute path)")
+        (_rootless_layer: uncapped, a loop device needs root). Sandbox checked `directory`: an
+        absolute path, only root or this user can write to it and its parents."""
         return self._ext4_layer(directory, size_mb) if self.kernel else self._rootless_layer(directory)
 
     def _ext4_layer(self, directory: str, size_mb: int) -> str:
         """An ext4 of `size_mb` on a loop device, so the layer cannot outgrow it (ENOSPC); its
-        file is unlinked at once, so the space goes back when the last mount of it does,
-        however the sandbox ends. mkfs.ext4 without a journal (scratch data): 10 ms and
-        1.2 MB written for 2 GB, 12 ms and 4.4 MB for 20 GB."""
+        file has no name once made (_layer_file), so the space goes back when the last mount
+        of it does, however the sandbox ends. mkfs.ext4 without a journal (scratch data): 10 ms
+        and 1.2 MB written for 2 GB, 12 ms and 4.4 MB for 20 GB."""
         import shutil  # here: not on the holder's start-up path
         import subprocess
-        import tempfile
 
         target = self._dir("d")
-        fd, image = tempfile.mkstemp(prefix=_LAYER_PREFIX, suffix=".ext4", dir=directory)
+        fd = -1
         try:
+            fd = _layer_file(directory)
             os.ftruncate(fd, size_mb << 20)  # sparse: blocks are taken as the layer is written
             mkfs = shutil.which("mkfs.ext4", path=f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin")
             if mkfs is None:
                 raise RunnerError("mkfs.ext4 not found (Debian: e2fsprogs): a sandbox's layer on disk needs it")
+            # The descriptor, never a path: a path in the layer dir could be swapped for a link.
             made = subprocess.run([mkfs, "-q", "-F", "-O", "^has_journal", "-m", "0", "-E",
-                                   "lazy_itable_init=1,nodiscard", image], capture_output=True, text=True)
+                                   "lazy_itable_init=1,nodiscard", f"/proc/self/fd/{fd}"], pass_fds=(fd,),
+                                  capture_output=True, text=True)
             if made.returncode != 0:
-                raise RunnerError(f"mkfs.ext4 {image}: {made.stderr.strip()[-300:]}")
-            loop_mount(image, 0, 0, target, fstype="ext4", writable=True)
+                raise RunnerError(f"mkfs.ext4 of a layer in {directory}: {made.stderr.strip()[-300:]}")
+            loop_mount(fd, 0, 0, target, fstype="ext4", writable=True)
         except BaseException:
             os.rmdir(target)
             raise
         finally:
-            os.close(fd)
-            os.unlink(image)
+            if fd >= 0:
+                os.close(fd)
         return target
 
     def _rootless_layer(self, directory: str) -> str:
@@ -477,7 +510,8 @@ class Holder:
         # Made under a name the sweep passes over, locked, then given its own: never swept half-made.
         new = f".{_LAYER_PREFIX}new-"
         making = tempfile.mkdtemp(prefix=new, dir=directory)
-        lock = os.open(os.path.join(making, _LAYER_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        lock = os.open(os.path.join(making, _LAYER_LOCK), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |
+                       os.O_CLOEXEC, 0o600)
         fcntl.flock(lock, fcntl.LOCK_EX)
         path = os.path.join(directory, _LAYER_PREFIX + os.path.basename(making)[len(new):])
         os.rename(making, path)

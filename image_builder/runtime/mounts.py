@@ -147,15 +147,18 @@ def _loop_attach(fd: int, backing: int, info: bytes) -> None:
         fcntl.ioctl(fd, _LOOP_SET_STATUS64, info)
 
 
-def loop_mount(image: str, offset: int, size: int, target: str, *, fstype: str = "squashfs",
+def loop_mount(image: str | int, offset: int, size: int, target: str, *, fstype: str = "squashfs",
                writable: bool = False) -> None:
-    """Mount the file system at `offset` of `image` through a loop device (root):
-    read-only (a squashfs layer) unless `writable` (a sandbox's ext4 layer). AUTOCLEAR
-    frees the device when the mount goes (or at once, if mounting fails)."""
+    """Mount the file system at `offset` of `image` (a path, or a descriptor open on a file
+    with no path: a sandbox's ext4 layer) through a loop device (root): read-only (a
+    squashfs layer) unless `writable`. AUTOCLEAR frees the device when the mount goes (or
+    at once, if mounting fails)."""
+    name = image if isinstance(image, str) else os.readlink(f"/proc/self/fd/{image}")
     info = _LOOP_INFO64.pack(0, 0, 0, offset, size, 0, 0, 0,
                              (0 if writable else _LO_FLAGS_READ_ONLY) | _LO_FLAGS_AUTOCLEAR,
-                             os.fsencode(image)[-63:], b"", b"", 0, 0)
-    with open(image, "r+b" if writable else "rb") as backing:  # the loop device is as writable as this
+                             os.fsencode(name)[-63:], b"", b"", 0, 0)
+    # The loop device is as writable as this; a descriptor stays the caller's to close.
+    with open(image, "r+b" if writable else "rb", closefd=isinstance(image, str)) as backing:
         ctl = os.open("/dev/loop-control", os.O_RDWR | os.O_CLOEXEC)
         try:
             for _ in range(16):

@@ -38,7 +38,7 @@ import tarfile
 import threading
 import time
 from dataclasses import replace
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from .execution import Bind, RunRequest, RunResult
 from .holder import DEFAULT_MAX_PROCESSES, encode_job, send_fds
@@ -81,7 +81,7 @@ class Sandbox:
                  binds: tuple[Bind, ...] = (), network: bool = False, memory_mb: int | None = None,
                  max_processes: int = DEFAULT_MAX_PROCESSES, disk_mb: int | None = None,
                  idle: float = DEFAULT_IDLE, unpack_dir: Path | None = None, layer_dir: Path | None = None):
-        from .backends import checked_state_dir
+        from .backends import check_ancestors, checked_state_dir
         from .holder_session import HolderSession
 
         backend = _sandbox_backend(backend)
@@ -89,10 +89,16 @@ class Sandbox:
         layer = None
         if layer_dir:
             layer_dir = Path(layer_dir).resolve()
+            if not layer_dir.is_dir():
+                raise RunnerError(f"layer dir {layer_dir}: not an existing directory")
             if backend is Backend.USERNS and disk_mb:
                 raise RunnerError(f"a size (--disk, disk_mb) for a layer on disk ({layer_dir}) needs the kernel "
                                   "backend (root: a loop device); rootless, drop the size (the layer is uncapped "
                                   f"there) or the layer dir (a tmpfs of that size; unset {LAYER_DIR_ENV})")
+            # The holder makes the layer there: another user who could swap what it makes for
+            # a link would have it format or write a file of ours (as root: any file).
+            check_ancestors(layer_dir, f"give a directory of yours no other user can write to (mkdir -m 700 "
+                                       f"{layer_dir}/$USER), or unset {LAYER_DIR_ENV}", "layer dir", itself=True)
             layer = (layer_dir, disk_mb or DEFAULT_DISK_LAYER_MB)
             disk_mb = None  # the tmpfs then holds only mount points and /dev/shm: the run's memory bounds them
         self._limits(layers, backend, network, memory_mb, max_processes)
@@ -303,8 +309,9 @@ class Sandbox:
 
     def download(self, path: str, host_path: str | os.PathLike, limit: int = FILE_LIMIT) -> None:
         """Copy the sandbox's file or tree at `path` to `host_path` on the host (which must
-        not exist). Regular files, directories and symlinks only; symlinks are made last,
-        so nothing is written through one: a hostile tree cannot reach outside host_path."""
+        not exist). Regular files, directories and symlinks only, and symlinks only where they
+        lead inside host_path; nothing is written through one (_untar_confined): whatever
+        the sandbox's tar sends, nothing outside host_path is touched."""
         full = self._path(path)
         r = self.exec(["sh", "-c", '[ -e "$1" ] || exit 3; cd "$(dirname -- "$1")" && '
                        'exec tar -c -f - -- "$(basename -- "$1")"', "download", full], max_output=limit,
@@ -398,34 +405,101 @@ def _raise_for(r: RunResult, path: str) -> None:
 
 
 def _untar_confined(data: bytes, dest: Path) -> None:
-    """Unpack a tar made inside a sandbox at `dest`: names confined (no absolute path,
-    no ..), regular files, directories and symlinks only, modes without set-id bits, and
-    symlinks made after every file so none is written through."""
+    """Unpack a tar made inside a sandbox at `dest` (which must not exist): names confined
+    (no absolute path, no ..), regular files, directories and symlinks only, modes without
+    set-id bits. The archive is the sandbox's to forge (its own `tar` made it), so each
+    entry is made through directories opened one by one with O_NOFOLLOW (_open_parent):
+    none goes through a symlink, one this archive made included. Symlinks are kept where
+    they lead inside `dest` (all made, then resolved); the others are removed and refused."""
     if dest.exists() or dest.is_symlink():
         raise FileExistsError(17, "File exists", str(dest))
-    links: list[tuple[Path, str]] = []
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
-        members = tar.getmembers()
-        top = {m.name.split("/", 1)[0] for m in members}
-        for m in members:
-            parts = Path(m.name).parts
-            if not parts or Path(m.name).is_absolute() or ".." in parts or len(top) != 1:
-                raise RunnerError(f"download: refusing the entry {m.name!r}")
-            target = dest.joinpath(*parts[1:]) if len(parts) > 1 else dest
-            if m.isdir():
-                target.mkdir(parents=True, exist_ok=True)
-                target.chmod(m.mode & 0o777 | stat.S_IRWXU)
-            elif m.isfile():
-                target.parent.mkdir(parents=True, exist_ok=True)
-                with open(target, "xb") as f, tar.extractfile(m) as src:
-                    f.write(src.read())
-                target.chmod(m.mode & 0o777)
-            elif m.issym():
-                links.append((target, m.linkname))
-            else:
-                raise RunnerError(f"download: {m.name!r} is not a file, directory or symlink")
-    for target, linkname in links:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.symlink(linkname, target)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    links: list[tuple[str, str, Path]] = []  # entry, link target, where it is made
+    base = os.open(dest.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+            members = tar.getmembers()
+            top = {m.name.split("/", 1)[0] for m in members}
+            for m in members:
+                parts = PurePosixPath(m.name).parts
+                if not parts or PurePosixPath(m.name).is_absolute() or ".." in parts or len(top) != 1:
+                    raise RunnerError(f"download: refusing the entry {m.name!r}")
+                names = (dest.name, *parts[1:])  # the archive's top is dest
+                parent = _open_parent(base, names[:-1], m.name)
+                try:
+                    _make_entry(tar, m, parent, names[-1])
+                finally:
+                    os.close(parent)
+                if m.issym():
+                    links.append((m.name, m.linkname, dest.joinpath(*parts[1:])))
+    finally:
+        os.close(base)
+        outside = _drop_links_outside(dest, links)  # an entry refused midway leaves none either
+    if outside:
+        name, target, _ = outside[0]
+        raise RunnerError(f"download: refusing the entry {name!r}: a symlink to {target!r}, which leads outside "
+                          f"{dest}" + (f" (and {len(outside) - 1} more such symlinks)" if len(outside) > 1 else ""))
 
 
+def _drop_links_outside(dest: Path, links: list[tuple[str, str, Path]]) -> list[tuple[str, str, Path]]:
+    """Remove the symlinks made under `dest` that lead outside it; those links. Resolved
+    once all are made: a later link can change where an earlier one leads."""
+    inside = os.path.join(os.path.realpath(dest.parent), dest.name)  # dest itself may be one of the links
+    outside = [(name, target, path) for name, target, path in links
+               if os.path.commonpath([inside, os.path.realpath(path)]) != inside]
+    for _, _, path in outside:
+        os.unlink(path)  # its parents are directories this download made (_open_parent)
+    return outside
+
+
+def _open_parent(base: int, names: tuple[str, ...], entry: str) -> int:
+    """The directory `names` below `base`, made where missing, each opened with O_NOFOLLOW:
+    a symlink (or file) on the way refuses `entry`."""
+    fd = os.dup(base)
+    for i, name in enumerate(names):
+        try:
+            os.mkdir(name, 0o755, dir_fd=fd)
+        except FileExistsError:
+            pass
+        try:
+            below = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+        except OSError:
+            through = "/".join(PurePosixPath(entry).parts[:i + 1])
+            raise RunnerError(f"download: refusing the entry {entry!r}: it would go through {through!r}, which "
+                              "is not a directory (a symlink?)") from None
+        finally:
+            os.close(fd)
+        fd = below
+    return fd
+
+
+def _make_entry(tar: tarfile.TarFile, m: tarfile.TarInfo, parent: int, name: str) -> None:
+    """One entry of _untar_confined, as `name` in the directory `parent`."""
+    if m.isdir():
+        try:
+            os.mkdir(name, 0o700, dir_fd=parent)
+        except FileExistsError:
+            pass
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+        except OSError:
+            raise RunnerError(f"download: refusing the entry {m.name!r}: a file or symlink of that name came "
+                              "before it") from None
+        try:
+            os.fchmod(fd, m.mode & 0o777 | stat.S_IRWXU)
+        finally:
+            os.close(fd)
+        return
+    try:
+        if m.isfile():
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                         dir_fd=parent)
+            with open(fd, "wb") as f, tar.extractfile(m) as src:
+                f.write(src.read())
+                os.fchmod(f.fileno(), m.mode & 0o777)
+        elif m.issym():
+            os.symlink(m.linkname, name, dir_fd=parent)
+        else:
+            raise RunnerError(f"download: {m.name!r} is not a file, directory or symlink")
+    except FileExistsError:
+        raise RunnerError(f"download: refusing the entry {m.name!r}: an entry of that name came before it") from None

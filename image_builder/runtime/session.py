@@ -63,13 +63,16 @@ class Backend(str, enum.Enum):
 
 def build_job(layers: InstanceLayers, request: RunRequest, max_processes: int) -> dict:
     """What an init runs (holder.py, "session -> init"): the environment is complete,
-    the image's variables, then the request's."""
+    the image's variables, then the request's. The instance's own workdir is made where the
+    instance lacks it (a catalog's /task for tasks that add no files), as Docker makes a
+    missing WORKDIR; another one asked for (a sandbox exec's cwd) must exist, as for
+    `docker exec -w`."""
     if not request.argv:
         raise RunnerError("empty argv: give the command to run")
     workdir = request.workdir or layers.workdir
     files = request.placed_files(layers.workdir)
     return {"argv": list(request.argv), "env": {"PATH": DEFAULT_PATH, "HOME": "/root", **layers.env, **request.env},
-            "workdir": workdir, "files": files,
+            "workdir": workdir, "make_workdir": workdir == layers.workdir, "files": files,
             "timeout": request.timeout, "memory_mb": request.memory_mb, "max_processes": max_processes}
 
 

@@ -24,11 +24,12 @@
  *         IDLE_SECONDS is the wait for each next job while none runs, not only the first.
  *   "" stands for none, NETNS_FD -1 for none. Paths are the holder's mount namespace's.
  *
- * A job (holder.encode_job), little-endian: "IBJ4", u32 nargv, u32 nenv, u32 nfiles,
+ * A job (holder.encode_job), little-endian: "IBJ5", u32 nargv, u32 nenv, u32 nfiles,
  * i64 timeout in microseconds (-1: none), i64 memory MB (0: none), i64 max processes,
- * i64 uid and gid to run as (-1: root; a sandbox's only), then workdir, argv and env ("K=V") NUL-terminated, then per file: path NUL, u64
- * length, bytes. Too big for a message: "IBJP" + u64 length, the job in the last fd (after
- * stdin, stdout, stderr and, to a sandbox, the answer's socket).
+ * i64 uid and gid to run as (-1: root; a sandbox's only), i64 flags (MAKE_WORKDIR), then
+ * workdir, argv and env ("K=V") NUL-terminated, then per file: path NUL, u64 length, bytes.
+ * Too big for a message: "IBJP" + u64 length, the job in the last fd (after stdin, stdout,
+ * stderr and, to a sandbox, the answer's socket).
  * The answer is a marshal dict, which the session loads as is.
  */
 #define _GNU_SOURCE
@@ -62,6 +63,7 @@
 #include <unistd.h>
 
 #define CTL 3
+#define MAKE_WORKDIR 1 /* a job's flag: its workdir is the instance's, made where missing */
 #define MAX_MESSAGE (1 << 16)
 #define MAX_FDS 8
 
@@ -94,6 +96,7 @@ struct spec {
 
 struct job {
     int64_t timeout_us, memory_mb, max_processes, uid, gid; /* uid, gid: -1, as this init (root) */
+    int64_t flags;
     char *workdir, **argv, **env;
     uint32_t nfiles;
     char *files; /* path NUL, u64 length, bytes; checked by decode_job */
@@ -175,8 +178,12 @@ static int mkdirs(const char *path) {
         if (*s == '/' || !*s) {
             char c = *s;
             *s = 0;
-            if (mkdir(p, 0777) && errno != EEXIST)
-                return fail("mkdir %s: %s", p, strerror(errno));
+            if (mkdir(p, 0777) && errno != EEXIST) {
+                int e = errno;
+                fail("mkdir %s: %s", p, strerror(e));
+                errno = e; /* for the caller's message */
+                return -1;
+            }
             if (!(*s = c))
                 return 0;
         }
@@ -712,8 +719,8 @@ static int take_strings(char **at, char *end, char **out, uint32_t n) {
 /* Check and index a job's bytes (kept in `data`, which the job points into). */
 static int decode_job(char *data, size_t len, struct job *j) {
     uint32_t counts[3];
-    char *at = data + 56, *end = data + len;
-    if (len < 56 || memcmp(data, "IBJ4", 4))
+    char *at = data + 64, *end = data + len;
+    if (len < 64 || memcmp(data, "IBJ5", 4))
         return fail("bad job message (image-builder versions mixed? restart the holder)");
     memcpy(counts, data + 4, sizeof counts);
     memcpy(&j->timeout_us, data + 16, 8);
@@ -721,6 +728,7 @@ static int decode_job(char *data, size_t len, struct job *j) {
     memcpy(&j->max_processes, data + 32, 8);
     memcpy(&j->uid, data + 40, 8);
     memcpy(&j->gid, data + 48, 8);
+    memcpy(&j->flags, data + 56, 8);
     if (counts[0] < 1 || counts[0] > len || counts[1] > len || counts[2] > len)
         return fail("bad job message: counts");
     j->argv = calloc(counts[0] + 1, sizeof(char *));
@@ -784,6 +792,25 @@ static int write_files(const struct job *j) {
         at += size;
     }
     return 0;
+}
+
+/* Into the job's workdir. The instance's own, where the instance lacks it (a catalog's /task
+   for tasks that add no files), is made empty in the run's writable layer, as Docker makes a
+   missing WORKDIR; any other must exist (a sandbox exec's cwd, as `docker exec -w`). */
+static int enter_workdir(const struct job *j) {
+    if (!chdir(j->workdir))
+        return 0;
+    int e = errno;
+    if (e == ENOENT && (j->flags & MAKE_WORKDIR)) {
+        if (!mkdirs(j->workdir) && !chdir(j->workdir))
+            return 0;
+        e = errno;
+        error[0] = 0; /* mkdirs' own message: this one says what to do */
+        return fail("workdir %s is not in the instance and cannot be made: %s", j->workdir,
+                    e == EROFS ? "it would be on a read-only file system (no writable layer there); give a "
+                                 "workdir that exists" : strerror(e));
+    }
+    return fail("workdir %s: %s; pass a directory that exists in the instance", j->workdir, strerror(e));
 }
 
 static const char *getenv_in(char **env, const char *name) {
@@ -913,10 +940,8 @@ static int start_job(const struct spec *s, const struct job *j, const int stdio[
     int memory_in_cgroup = 0, e, as_user = 0;
     *pid = 0;
     *r = (struct result){-1, -1, 0, -1, -1, 0};
-    if (write_files(j))
+    if (write_files(j) || enter_workdir(j))
         return -1;
-    if (chdir(j->workdir))
-        return fail("workdir %s: %s; pass a directory that exists in the instance", j->workdir, strerror(errno));
     struct rlimit none = {0, 0}, procs = {j->max_processes, j->max_processes},
                   mem = {j->memory_mb << 20, j->memory_mb << 20};
     if (cgroup >= 0 && cgroup_limits(cgroup, j, &memory_in_cgroup))
@@ -1343,6 +1368,9 @@ int main(int argc, char **argv) {
             if (!finished && !first_job(&s, &j, scratch)) {
                 finished = 1;
                 sized_for = j.memory_mb;
+                /* Before the root's mark: a workdir made for the instance is part of the root
+                   every run finds, not a change that keeps this init from the next run. */
+                enter_workdir(&j);
                 if (mark_layer(&pristine, upper, 0, NULL))
                     may_reuse = 0;
                 pristine_top = pristine.len;

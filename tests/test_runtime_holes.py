@@ -1,0 +1,319 @@
+"""Holes in the runtime (issue 30), each attacked for real: root's sandbox layer dir that
+another user can write to, a sandbox whose own `tar` forges what `sandbox cp` unpacks on
+the host, and a catalog workdir the instance lacks. As root (kernel backend) and as uid
+65534 (userns) where the hole is not root's alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from image_builder.oci.cache import sha256_file
+from image_builder.runtime.mounts import RunnerError
+from image_builder.runtime.sandbox import Sandbox
+from image_builder.runtime.session import Backend, InstanceLayers
+from image_builder.store.index import EnvRecord, Index, InstanceRecord, write_index
+from tests.conftest import ROOT, run_cli
+from tests.test_runtime import NOBODY, _env_sif, _images
+
+BARE, PLAIN, RO = "bare", "plain", "ro-task"  # workdir /task (not in the image), /, /data/task (a read-only bind)
+
+
+@pytest.fixture(scope="module")
+def store():
+    """A store written by hand over test_runtime's Debian environment (python3 in it): three
+    instances that add nothing, one per workdir above; every user can read it."""
+    imgs = _images(_env_sif(slim=False))
+    root = imgs.dir / "store"
+    (root / "envs").mkdir(parents=True)
+    os.link(imgs.env_sif, root / "envs/env.sif")
+    sif = root / "envs/env.sif"
+    env = EnvRecord("env", "envs/env.sif", sha256_file(sif), sif.stat().st_size, "debian", "sha256:0", "key", 0, {})
+    write_index(root, Index({"env": env}, {
+        name: InstanceRecord(name, "env", None, None, 0, "key", workdir=workdir)
+        for name, workdir in ((BARE, "/task"), (PLAIN, "/"), (RO, "/data/task"))}))
+    for path in [root, *root.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    yield root
+    shutil.rmtree(imgs.dir, ignore_errors=True)
+
+
+@pytest.fixture(params=[None, NOBODY], ids=["root", "uid65534"])
+def user(request, tmp_path):
+    """(uid or None for root, its environment, a home of its own in a directory everyone can enter)."""
+    home = Path(tempfile.mkdtemp(prefix="ib-holes-", dir="/var/tmp"))
+    (home / "run").mkdir(mode=0o700)
+    if request.param is not None:
+        for path in (home, home / "run"):
+            os.chown(path, request.param, request.param)
+    env = {"HOME": str(home), "XDG_RUNTIME_DIR": str(home / "run")}
+    yield request.param, env, home
+    r = run_cli("sandbox", "ls", "--json", user=request.param, env=env)
+    ids = [s["id"] for s in json.loads(r.stdout or "[]")]
+    if ids:
+        run_cli("sandbox", "stop", *ids, user=request.param, env=env)
+    shutil.rmtree(home, ignore_errors=True)
+
+
+def one_line_error(r: subprocess.CompletedProcess) -> str:
+    assert r.returncode != 0, r.stdout
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    return r.stderr.strip()
+
+
+# --- 1. the layer dir ----------------------------------------------------------------------
+
+
+def test_a_layer_dir_another_user_can_write_is_refused_in_one_line(store, tmp_path):
+    """Root's sandbox with its writable layer in a directory uid 65534 owns (mode 777), in a
+    sticky one everyone writes to, or in a directory of root's inside the attacker's: each
+    refused before anything is made there; and the same for uid 65534 in a directory of root's
+    everyone can write to."""
+    theirs = Path(tempfile.mkdtemp(prefix="ib-theirs-", dir="/var/tmp"))
+    shared = Path(tempfile.mkdtemp(prefix="ib-shared-", dir="/var/tmp"))
+    try:
+        os.chown(theirs, NOBODY, NOBODY)
+        theirs.chmod(0o777)
+        shared.chmod(0o1777)
+        (theirs / "mine").mkdir(mode=0o700)  # root's own, but the attacker can rename it away
+        layers = InstanceLayers(store / "envs/env.sif", (), {}, "/")
+        for layer_dir, why in ((theirs, f"layer dir {theirs} is owned by uid {NOBODY}"),
+                               (shared, f"layer dir {shared} is mode 1777, writable by others"),
+                               (theirs / "mine", f"layer dir {theirs}/mine is inside {theirs}, owned by uid {NOBODY}")):
+            with pytest.raises(RunnerError) as e:
+                Sandbox(layers, backend=Backend.KERNEL, state_dir=tmp_path / "state", layer_dir=layer_dir)
+            assert str(e.value).startswith(why) and "\n" not in str(e.value), str(e.value)
+            assert "another user may swap" in str(e.value) and "mkdir -m 700" in str(e.value)
+        assert sorted(p.name for p in theirs.iterdir()) == ["mine"] and not any(shared.iterdir())
+
+        home = Path(tempfile.mkdtemp(prefix="ib-holes-", dir="/var/tmp"))
+        os.chown(home, NOBODY, NOBODY)
+        shared.chmod(0o777)
+        r = run_cli("sandbox", "start", PLAIN, "--store", str(store), "--layer-dir", str(shared), user=NOBODY,
+                    env={"HOME": str(home), "XDG_RUNTIME_DIR": str(home)})
+        assert one_line_error(r).startswith(f"Error: layer dir {shared} is mode 777, writable by others"), r.stderr
+        shutil.rmtree(home)
+    finally:
+        shutil.rmtree(theirs, ignore_errors=True)
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+# uid 65534, in the layer dir: swaps every entry the holder makes there for a link to the
+# victim (a file: for the link; a directory: moved away, then a link to the victim's
+# directory or a directory of its own holding a link named as the holder's file).
+SWAPPER = r"""
+import os, sys
+d, victim, stop = sys.argv[1:]
+loops = swapped = 0
+while not os.path.exists(stop):
+    loops += 1
+    for name in os.listdir(d):
+        p = os.path.join(d, name)
+        if not name.startswith("image-builder-layer-") or name.endswith(".moved") or os.path.islink(p):
+            continue
+        try:
+            if os.path.isdir(p):
+                os.rename(p, p + ".moved")
+                if swapped % 2:
+                    os.symlink(os.path.dirname(victim), p)
+                else:
+                    os.mkdir(p)
+                    os.symlink(victim, os.path.join(p, "layer"))
+            else:
+                os.unlink(p)
+                os.symlink(victim, p)
+            swapped += 1
+        except OSError:
+            pass
+print(loops, swapped)
+"""
+
+# Root, in a mount namespace of its own (as the holder is): the holder's layers on disk, one
+# after another, each unmounted at once; prints how many were made, and how many were refused
+# (the attacker won: the holder's own errors, nothing else).
+MAKER = r"""
+import os, sys, tempfile
+from image_builder.runtime.holder import Holder
+from image_builder.runtime.mounts import RunnerError, umount
+d, n = sys.argv[1], int(sys.argv[2])
+base = tempfile.mkdtemp()
+os.chdir(base)
+os.mkdir("d")
+holder = Holder(True, base, None, "/bin/true")
+made = refused = 0
+for _ in range(n):
+    try:
+        target = holder._ext4_layer(d, 4)
+    except (RunnerError, OSError):
+        refused += 1
+        continue
+    made += 1
+    umount(target)
+    os.rmdir(target)
+print(made, refused)
+"""
+
+
+def test_the_holder_s_layer_file_cannot_be_swapped_for_a_link():
+    """Past the check (a layer dir uid 65534 can write to, given to the holder itself): while
+    the attacker keeps swapping whatever the holder makes there, root's holder makes 60 ext4
+    layers; the root-owned victim file is never formatted nor mounted."""
+    victim_dir = Path(tempfile.mkdtemp(prefix="ib-victim-", dir="/var/tmp"))
+    victim = victim_dir / "precious.img"
+    content = os.urandom(4 << 20)
+    victim.write_bytes(content)
+    layer_dir = Path(tempfile.mkdtemp(prefix="ib-layers-", dir="/var/tmp"))
+    layer_dir.chmod(0o777)
+    stop = layer_dir / "stop"  # where the attacker sees it
+    attacker = subprocess.Popen(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+                                 sys.executable, "-c", SWAPPER, str(layer_dir), str(victim), str(stop)],
+                                stdout=subprocess.PIPE, text=True, cwd="/")
+    try:
+        made = subprocess.run(["unshare", "--mount", "--propagation", "private", sys.executable, "-c", MAKER,
+                               str(layer_dir), "60"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert made.returncode == 0, made.stderr[-2000:]
+    finally:
+        stop.touch()
+        loops, swapped = map(int, attacker.communicate(timeout=60)[0].split())
+        shutil.rmtree(layer_dir, ignore_errors=True)
+    count, refused = map(int, made.stdout.split())
+    assert victim.read_bytes() == content, "the victim was formatted through a swapped layer file"
+    assert loops > 100, "the attacker was running all along"
+    assert count + refused == 60 and count > refused, (made.stdout, swapped)
+    shutil.rmtree(victim_dir, ignore_errors=True)
+
+
+# --- 2. what a sandbox's tar sends to `sandbox cp` ------------------------------------------
+
+# The sandbox's own tar, as an agent could leave it: its archive of whatever was asked is one
+# of these, by /tmp/mode.
+EVIL_TAR = r"""
+import io, sys, tarfile
+host = sys.argv[1]
+entries = {
+    # a symlink to a host directory, then an entry through it
+    "through": [("top", "dir", ""), ("top/x", "sym", host), ("top/x/planted", "sym", "/etc/passwd")],
+    "through-file": [("top", "dir", ""), ("top/x", "sym", host), ("top/x/planted.txt", "file", "pwned\n")],
+    # each link inside on its own, together leading out: c is b/../.., b is ../.. (dest itself)
+    "chain": [("top", "dir", ""), ("top/p", "dir", ""), ("top/p/q", "dir", ""), ("top/p/q/c", "sym", "b/../.."),
+              ("top/p/q/b", "sym", "../.."), ("top/ok.txt", "file", "fine\n")],
+    "absolute": [("top", "dir", ""), ("top/etc", "sym", "/etc")],
+}[open("/tmp/mode").read().strip()]
+buf = io.BytesIO()
+with tarfile.open(fileobj=buf, mode="w") as tar:
+    for name, kind, value in entries:
+        info = tarfile.TarInfo(name)
+        if kind == "dir":
+            info.type, info.mode = tarfile.DIRTYPE, 0o755
+            tar.addfile(info)
+        elif kind == "sym":
+            info.type, info.linkname = tarfile.SYMTYPE, value
+            tar.addfile(info)
+        else:
+            info.size = len(value)
+            tar.addfile(info, io.BytesIO(value.encode()))
+sys.stdout.buffer.write(buf.getvalue())
+"""
+
+
+def test_sandbox_cp_writes_nothing_outside_its_destination(store, user):
+    """The agent puts a `tar` of its own first on PATH; `sandbox cp ID:top DEST` (Sandbox.download)
+    unpacks what it sends: nothing is made in the host directory its symlinks point at, no
+    symlink leading outside DEST is left, each refusal is one line naming the entry. A link
+    that stays inside DEST is kept."""
+    uid, env, home = user
+    cli = lambda *a, **kw: run_cli(*a, user=uid, env=env, **kw)  # noqa: E731
+    host = home / "host-dir"
+    host.mkdir()
+    (host / "mine.txt").write_text("mine\n")
+    if uid is not None:
+        os.chown(host, uid, uid)  # the user's own: the attack would have its rights
+    before = sorted(os.listdir(host))
+    started = cli("sandbox", "start", PLAIN, "--store", str(store))
+    assert started.returncode == 0, started.stderr
+    sid = started.stdout.strip()
+
+    r = cli("sandbox", "exec", sid, "--", "sh", "-c", "mkdir -p /keep/d && echo hi > /keep/d/f && ln -s d/f /keep/l")
+    assert r.returncode == 0, r.stderr
+    assert cli("sandbox", "cp", f"{sid}:/keep", str(home / "keep")).returncode == 0
+    assert os.readlink(home / "keep/l") == "d/f" and (home / "keep/l").read_text() == "hi\n", "a link inside is kept"
+    assert cli("sandbox", "cp", f"{sid}:/keep/d/f", str(home / "one.txt")).returncode == 0
+    assert (home / "one.txt").read_text() == "hi\n"
+
+    r = cli("sandbox", "exec", sid, "--", "sh", "-c", "cat > /usr/local/lib/evil_tar.py && mkdir -p /top && "
+            f"printf '#!/bin/sh\\nexec python3 /usr/local/lib/evil_tar.py {host}\\n' > /usr/local/bin/tar && "
+            "chmod 755 /usr/local/bin/tar", input=EVIL_TAR)
+    assert r.returncode == 0, r.stderr
+    refusals = {"through": "refusing the entry 'top/x/planted': it would go through 'top/x'",
+                "through-file": "refusing the entry 'top/x/planted.txt': it would go through 'top/x'",
+                "chain": "refusing the entry 'top/p/q/c': a symlink to 'b/../..', which leads outside",
+                "absolute": "refusing the entry 'top/etc': a symlink to '/etc', which leads outside"}
+    for mode, refusal in refusals.items():
+        assert cli("sandbox", "exec", sid, "--", "sh", "-c", f"echo {mode} > /tmp/mode").returncode == 0
+        dest = home / f"dl-{mode}"
+        r = cli("sandbox", "cp", f"{sid}:/top", str(dest))
+        assert sorted(os.listdir(host)) == before, f"{mode}: the sandbox wrote into the host directory"
+        error = one_line_error(r)
+        assert error.startswith("Error: download: " + refusal), error
+        inside = os.path.realpath(dest)
+        for path in dest.rglob("*"):
+            assert os.path.commonpath([inside, os.path.realpath(path)]) == inside, f"{mode}: {path} leads outside"
+    assert (home / "dl-chain/ok.txt").read_text() == "fine\n", "what came before and beside stays"
+
+
+# --- 3. a workdir the instance lacks ---------------------------------------------------------------
+
+
+def test_a_workdir_the_instance_lacks_is_made_for_runs_and_sandboxes(store, user):
+    """A catalog's /task for an instance that adds no files: a run starts there (an empty
+    directory of its writable layer, gone with it; rootless on the extract backend too), a
+    sandbox's commands too (another cwd must still exist, as for `docker exec -w`); where it
+    would be on a read-only bind, one line says so."""
+    uid, env, home = user
+    cli = lambda *a, **kw: run_cli(*a, user=uid, env=env, **kw)  # noqa: E731
+    for _ in range(2):  # the second run finds no trace of the first's file
+        r = cli("run", "--store", str(store), BARE, "--", "sh", "-c", "pwd; ls -A; touch left")
+        assert (r.returncode, r.stdout) == (0, "/task\n"), r.stderr
+    if uid is not None:  # proot would start in / and say so on stderr
+        r = cli("run", "--store", str(store), "--backend", "extract", "--net", BARE, "--", "pwd")
+        assert (r.returncode, r.stdout, r.stderr) == (0, "/task\n", ""), r.stderr
+
+    started = cli("sandbox", "start", BARE, "--store", str(store))
+    assert started.returncode == 0, started.stderr
+    sid = started.stdout.strip()
+    r = cli("sandbox", "exec", sid, "--", "sh", "-c", "pwd; echo kept > here")
+    assert (r.returncode, r.stdout) == (0, "/task\n"), r.stderr
+    assert cli("sandbox", "exec", sid, "--", "cat", "/task/here").stdout == "kept\n"
+    r = cli("sandbox", "exec", "--cwd", "no/such/dir", sid, "--", "pwd")
+    assert r.returncode != 0 and "no/such/dir" in r.stderr, (r.stdout, r.stderr)
+
+    data = home / "data"
+    data.mkdir()
+    r = cli("run", "--store", str(store), "--bind", f"{data}:/data", RO, "--", "pwd")
+    assert one_line_error(r) == ("Error: workdir /data/task is not in the instance and cannot be made: it would "
+                                 "be on a read-only file system (no writable layer there); give a workdir that "
+                                 "exists"), r.stderr
+
+
+def test_a_grade_in_an_instance_that_lacks_its_workdir_is_not_an_error(store, user):
+    """An assert task of an instance whose catalog workdir (/task) it lacks grades as passed,
+    not as an error: the graders put their files in /tmp, so nothing else makes it."""
+    uid, env, home = user
+    tasks, predictions, out = home / "tasks.jsonl", home / "predictions.jsonl", home / "results.jsonl"
+    tasks.write_text(json.dumps({"task_id": BARE, "assert_case": ["assert f(2) == 3"]}) + "\n")
+    predictions.write_text(json.dumps({"task_id": BARE, "solution": "def f(x):\n    return x + 1\n"}) + "\n")
+    if uid is not None:
+        for path in (tasks, predictions):
+            os.chown(path, uid, uid)
+    r = run_cli("grade", "--store", str(store), "--tasks", str(tasks), "--predictions", str(predictions),
+                "-o", str(out), user=uid, env=env)
+    assert r.returncode == 0, r.stderr
+    [result] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert (result["status"], result["score"]) == ("passed", 1.0), result
