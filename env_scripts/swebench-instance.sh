@@ -12,6 +12,8 @@
 #   REINSTALL_WHEN  git pathspecs whose change makes the environment's install stale
 #                   (default: setup.py setup.cfg pyproject.toml)
 #   PRE_INSTALL     the environment's pre_install commands, run again if this commit changes files they edit
+# After it, the build leaves the repository BASE_COMMIT and its ancestors only, as SWE-bench's images have it:
+# no later commit, other branch, remote or reflog (image_builder/build/repo_history.py).
 set -eu
 # Editable installs put the checkout on sys.path (a .pth path entry), as the older setuptools of SWE-bench's
 # conda environments do: pylint's tests find its modules by path, and an editable finder hook broke 8 of
@@ -23,7 +25,6 @@ INSTALL="${INSTALL-python -m pip install --no-input --no-cache-dir -e .}"  # set
 if [ -n "${REPO_SOURCE:-}" ]; then
     git clone -q --no-checkout "$REPO_SOURCE" .
     git -c advice.detachedHead=false checkout -q "$BASE_COMMIT"
-    git remote remove origin
     if [ -n "$INSTALL" ]; then sh -c "$INSTALL"; fi
     # Graders commit and reset in this checkout; git wants an identity for that.
     git config user.email image-builder@localhost

@@ -308,16 +308,19 @@ def ls_(store, as_json):
 
 @main.command()
 @store_option
+@click.option("--no-history", is_flag=True, help="Do not check the instances' repositories (one run each).")
 @_one_line_errors
-def verify(store):
-    """Re-hash every file against the index; report missing, corrupt and orphaned files."""
+def verify(store, no_history):
+    """Re-hash every file against the index; report missing, corrupt and orphaned files, and instances whose
+    repository holds more than their base commit and its ancestors."""
     from image_builder.store.store import Store, verify as do_verify
-    report = do_verify(Store.open(store))
-    for kind in ("missing", "corrupt", "orphaned"):
+    report = do_verify(Store.open(store), history=not no_history)
+    for kind in ("missing", "corrupt", "orphaned", "history"):
         for rel in getattr(report, kind):
             click.echo(f"{kind}: {rel}")
     click.echo(f"{report.checked} files checked: {len(report.missing)} missing, {len(report.corrupt)} corrupt, "
-               f"{len(report.orphaned)} orphaned")
+               f"{len(report.orphaned)} orphaned" + ("" if no_history else f"; {len(report.history)} instances "
+                                                     "with history beyond their base commit"))
     if not report.ok:
         sys.exit(1)
 

@@ -12,6 +12,10 @@ prefix the image shares with another image of the import (SWE-bench's base +
 environment layers, when two instances of one environment are imported); an
 image that shares nothing is its own environment with no overlay.
 
+The instance's workdir repository is then pruned as every built instance's is
+(repo_history: HEAD and its ancestors only), in the build sandbox over the packed
+environment and overlay; what that changes is folded into the overlay.
+
 The overlay is what the image's own layers change in its environment's tree,
 applied over that tree through an overlay mount in a child's mount namespace (the
 kernel makes the whiteouts; _upper_by_overlay), less what the environment already
@@ -30,6 +34,7 @@ import json
 import os
 import re
 import stat
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -41,14 +46,16 @@ from image_builder.oci.cache import sha256_file
 from image_builder.oci.image import PulledImage
 from image_builder.oci.layers import LayerError, flatten
 from image_builder.oci.pull import pull
-from image_builder.pack.overlay import DiffStats, diff_trees, normalise_upper, prune_upper
-from image_builder.pack.sif import write_sif, write_singularity_env
-from image_builder.pack.squashfs import SquashOptions, pack
+from image_builder.pack.overlay import DiffStats, diff_trees, is_whiteout, normalise_upper, prune_upper
+from image_builder.pack.sif import partition_offset, write_sif, write_singularity_env
+from image_builder.pack.squashfs import SquashOptions, list_layer, list_paths, pack
 from image_builder.store.ids import id_problem, shown_id
 from image_builder.store.index import EnvRecord, InstanceRecord, write_index
 from image_builder.store.store import StorePaths, remove_tree
-from .envbuild import LABEL_PREFIX, BuildOptions, clamp_to_epoch, current_key
+from .envbuild import LABEL_PREFIX, BuildOptions, clamp_to_epoch, current_key, lower_children
 from .instances import InstanceBuild, read_record, write_record
+from .repo_history import HISTORY_SCRIPT, STAGED_AS, prune_command, script_digest
+from .sandbox import Overlay, SandboxSpec, SquashImage, detect_backend, run as sandbox_run
 from .storebuild import current_index, image_record, item_lock, write_fragment
 
 CATALOG = "import"  # the records' catalog field: a build of a catalog leaves imported items alone
@@ -216,11 +223,17 @@ def import_images(items: list[ImportItem], opts: ImportOptions) -> ImportSummary
         try:
             lower = work / "env"
             flatten([layer.path for layer in first.layers[:n]], lower, rootless=True)
+            fresh = {}
             for i in members:  # against the image's own tree, before Apptainer's files are added to it
-                build = kept.get(i) or _pack_instance(paths, ids[i], images[i], n, lower, work, name, key,
-                                                      opts.build.squash)
-                insts[ids[i]] = _instance_record(ids[i], items[i], images[i], name, env, build, paths)
+                fresh[i] = kept.get(i) or _pack_instance(paths, ids[i], images[i], n, lower, work, name, key,
+                                                         opts.build.squash)
             _pack_env(paths, key, named_by, lower, env, opts.build.squash)
+            for i, build in fresh.items():
+                if i not in kept:  # recorded only once pruned: an interrupted import redoes it
+                    build = _prune_history(paths, items[i].ref, build, images[i], key, lower, work,
+                                           _workdir(items[i], images[i]), opts.build)
+                    write_record(paths, build)
+                insts[ids[i]] = _instance_record(ids[i], items[i], images[i], name, env, build, paths)
             envs[name] = _env_record(paths, name, key, named_by, env)
         finally:
             remove_tree(work)
@@ -254,8 +267,12 @@ def _env_record(paths: StorePaths, name: str, key: str, img: PulledImage, env: d
 
 
 def _instance_key(env_build_key: str, img: PulledImage, n: int) -> str:
-    return "sha256:" + hashlib.sha256(json.dumps({"env": env_build_key, "image": img.digest, "n": n}).encode()
-                                      ).hexdigest()
+    doc = {"env": env_build_key, "image": img.digest, "n": n, "history": script_digest()}
+    return "sha256:" + hashlib.sha256(json.dumps(doc).encode()).hexdigest()
+
+
+def _workdir(item: ImportItem, img: PulledImage) -> str:
+    return item.workdir or _config(img).get("WorkingDir") or "/"
 
 
 def _instance_record(iid: str, item: ImportItem, img: PulledImage, env_name: str, env: dict[str, str],
@@ -263,16 +280,15 @@ def _instance_record(iid: str, item: ImportItem, img: PulledImage, env_name: str
     config = _config(img)
     own_env = {k: v for k, v in img.env.items() if env.get(k) != v}
     command = [*(config.get("Entrypoint") or []), *(config.get("Cmd") or [])]
-    workdir = item.workdir or config.get("WorkingDir") or "/"
     return InstanceRecord(iid, env_name, paths.relative(build.sqfs) if build.sqfs else None, build.sha256,
-                          build.size, build.build_key, workdir, None,
+                          build.size, build.build_key, _workdir(item, img), None,
                           {"image": img.reference, "image_digest": img.digest}, CATALOG, own_env, command,
                           config.get("User") or "")
 
 
 def _pack_instance(paths: StorePaths, iid: str, img: PulledImage, n: int, lower: Path, work: Path,
                    env_name: str, env_build_key: str, squash: SquashOptions) -> InstanceBuild:
-    """The image's difference against its environment's tree, packed; its record written beside it."""
+    """The image's difference against its environment's tree, packed (its record is the caller's to write)."""
     key = _instance_key(env_build_key, img, n)
     build = InstanceBuild(iid, env_name, None, None, 0, key, True, 0.0)
     if n < len(img.layers):
@@ -296,8 +312,107 @@ def _pack_instance(paths: StorePaths, iid: str, img: PulledImage, n: int, lower:
             remove_tree(full)
             remove_tree(upper)
     paths.instance_sqfs(iid).parent.mkdir(parents=True, exist_ok=True)
-    write_record(paths, build)
     return build
+
+
+def _prune_history(paths: StorePaths, ref: str, build: InstanceBuild, img: PulledImage, env_key: str, lower: Path,
+                   work: Path, workdir: str, opts: BuildOptions) -> InstanceBuild:
+    """The workdir's repository pruned to HEAD and its ancestors (repo_history), in the build sandbox over the
+    packed environment and the instance's overlay; what that changed folded into the overlay, repacked."""
+    rel = workdir.strip("/")
+    if not os.path.lexists(lower / rel / ".git") and not (build.sqfs and list_paths(build.sqfs, f"/{rel}/.git")):
+        return build  # no repository there: no sandbox to start
+    sif = paths.env_image(env_key)
+    lowers = (SquashImage(sif, partition_offset(sif)[0]), *((SquashImage(build.sqfs),) if build.sqfs else ()))
+    stem = f"history-{time.monotonic_ns()}"
+    changes, scratch, root, tree = (work / f"{stem}-{what}" for what in ("upper", "work", "root", "tree"))
+    for d in (changes, scratch, root):
+        d.mkdir()
+    log = paths.instance_log(build.id)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        result = sandbox_run(SandboxSpec(root, env=dict(img.env), workdir="/", host_network_files=False,
+                                         overlay=Overlay(lowers, changes, scratch)),
+                             ["/bin/sh", "-c", prune_command(workdir)], backend=opts.backend or detect_backend(),
+                             timeout=600, log=log, files={STAGED_AS: HISTORY_SCRIPT.encode()})
+        if result.returncode != 0:
+            why = result.tail[-1] if result.tail else f"exit {result.returncode}"
+            raise ImageBuilderError(f"{ref}: cannot prune {workdir}/.git to its HEAD and ancestors: {why}; log: {log}")
+        stats = normalise_upper(changes, lower_children(lowers))
+        if not (stats.entries or stats.whiteouts):
+            return build  # nothing beyond HEAD's history: the overlay stands
+        tree.mkdir()
+        if build.sqfs:
+            _unpack_layer(build.sqfs, tree)
+        _fold(changes, tree, lower)
+        clamp_to_epoch(tree)
+        sqfs = paths.instance_sqfs(build.id)
+        with item_lock(paths.root, f"inst-{build.id}"):
+            pack(tree, sqfs, replace(opts.squash, all_root=True))
+        st = sqfs.stat()
+        return replace(build, sqfs=sqfs, sha256=sha256_file(sqfs), size=st.st_size, mtime_ns=st.st_mtime_ns)
+    finally:
+        for d in (changes, scratch, root, tree):
+            remove_tree(d)
+
+
+def _unpack_layer(image: Path, dest: Path) -> None:
+    """An overlay layer as it is packed, whiteouts included: unprivileged unsquashfs makes no character
+    devices, so they are left out and the whiteouts made from the image's listing."""
+    listing = list_layer(image)
+    exclude = dest.with_name(f"{dest.name}.exclude")
+    exclude.write_text("".join(f"{p}\n" for p, kind in listing.kinds.items() if kind in "bcps"))
+    r = subprocess.run(["unsquashfs", "-no-progress", "-quiet", "-no-wildcards", "-f", "-exclude-file", str(exclude),
+                        *([] if os.geteuid() == 0 else ["-user-xattrs"]), "-dest", str(dest), str(image)],
+                       stdin=subprocess.DEVNULL, capture_output=True)
+    exclude.unlink()
+    if r.returncode:
+        why = (r.stderr or r.stdout).decode(errors="replace").strip().splitlines()[-1:] or [f"exit {r.returncode}"]
+        raise ImageBuilderError(f"{image}: cannot unpack the overlay to fold its repository's pruning in: {why[0]}")
+    for p in listing.whiteouts:
+        os.mknod(dest / p.lstrip("/"), stat.S_IFCHR, os.makedev(0, 0))
+
+
+def _fold(changes: Path, tree: Path, lower: Path) -> None:
+    """`changes` (an overlay upper over `tree` over `lower`) into `tree`: each entry it holds replaces tree's; a
+    whiteout stays only where `lower` holds something to hide (a whiteout over nothing shows in a listing of a
+    directory no other layer has). Directories are made real top-down, so nothing written goes through a
+    symlink of the tree."""
+    made = []
+    for dirpath, dirnames, filenames in os.walk(changes):
+        rel = Path(os.path.relpath(dirpath, changes))
+        there = tree / rel
+        for name in dirnames:
+            dest = there / name
+            if os.path.lexists(dest) and (dest.is_symlink() or not dest.is_dir()):
+                remove_tree(dest)
+            dest.mkdir(exist_ok=True)
+            made.append((os.lstat(os.path.join(dirpath, name)), dest))
+        for name in filenames:
+            src, dest = os.path.join(dirpath, name), there / name
+            if os.path.lexists(dest):
+                remove_tree(dest)
+            if is_whiteout(os.lstat(src)) and not _holds(lower, rel / name):
+                continue
+            os.rename(src, dest)
+    for st, dest in reversed(made):  # deepest first: what goes into a directory changes its times
+        os.chmod(dest, stat.S_IMODE(st.st_mode))
+        os.utime(dest, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _holds(root: Path, rel: Path) -> bool:
+    """Whether the tree `root` has an entry at `rel`, through real directories only (none of its symlinks
+    followed)."""
+    path = root
+    for i, part in enumerate(rel.parts):
+        path = path / part
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return False
+        if i < len(rel.parts) - 1 and not stat.S_ISDIR(st.st_mode):
+            return False
+    return True
 
 
 def _upper_by_overlay(layers: list[Path], lower: Path, upper: Path) -> DiffStats | None:

@@ -32,6 +32,7 @@ from image_builder.store.files import atomic_write
 from image_builder.store.store import StorePaths, remove_tree
 from .catalog import InstanceSpec
 from .envbuild import BuildFailed, EnvBuild, clamp_to_epoch, layer_images, lower_children, tree_digest
+from .repo_history import HISTORY_SCRIPT, STAGED_AS, prune_command, script_digest
 from .sandbox import BuildBackend, Bind, Overlay, SandboxSpec, detect_backend, run as sandbox_run
 
 FILES_IN_SANDBOX = "/tmp/.image-builder/instance-files"
@@ -60,7 +61,7 @@ def instance_key(spec: InstanceSpec, env: EnvBuild) -> str:
     doc = {"builder": __version__, "environment": env.build_key,
            "script": _file_digest(spec.script) if spec.script else None, "env": sorted(spec.env.items()),
            "files": sorted((dest, _file_digest(src)) for dest, src in spec.files.items()), "workdir": spec.workdir,
-           "context": tree_digest(spec.context) if spec.context else None}
+           "context": tree_digest(spec.context) if spec.context else None, "history": script_digest()}
     return "sha256:" + hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
@@ -117,12 +118,14 @@ def build_instance(spec: InstanceSpec, env: EnvBuild, store: Path, *, backend: B
     log.parent.mkdir(parents=True, exist_ok=True)
     log.unlink(missing_ok=True)
     staged = {f"instance-files/{dest}": src for dest, src in spec.files.items()}
+    staged[STAGED_AS] = HISTORY_SCRIPT.encode()
     if spec.script:
         staged["instance.sh"] = spec.script
     steps = [f"if [ -d {FILES_IN_SANDBOX} ]; then cp -a {FILES_IN_SANDBOX}/. /; fi"]
     if spec.script:
         workdir = shlex.quote(spec.workdir)
         steps.append(f"mkdir -p {workdir} && cd {workdir} && /bin/sh {SCRIPT_IN_SANDBOX}")
+    steps.append(prune_command(spec.workdir))  # the workdir's repository: HEAD and its ancestors only (repo_history)
     binds = (Bind(spec.context, "/build"),) if spec.context else ()
     sandbox = SandboxSpec(merged, env={**env.env, **spec.env}, workdir="/", binds=binds,
                           overlay=Overlay(lowers, upper, scratch))

@@ -21,6 +21,8 @@ every one of its instances may see (ancestors of each base commit), and an
 instance adds only its own base commit's ancestors, so no instance can read a
 later commit (the fix) out of `.git`. Tags come with the commits they point at
 (SWE-bench keeps tags older than the base commit; here: tags reachable from it).
+Every instance's repository is pruned to its HEAD's history after its script as
+well (repo_history.py, for catalogs written by hand): here it only drops reflogs.
 
 The bundles cut this way go into a context directory beside the catalog
 (`<catalog>.d/`). Specs that cannot be honoured here (conda environment.yml,

@@ -183,10 +183,11 @@ class VerifyReport:
     missing: list[str] = field(default_factory=list)
     corrupt: list[str] = field(default_factory=list)
     orphaned: list[str] = field(default_factory=list)
+    history: list[str] = field(default_factory=list)  # "<id>: what its repository holds beyond its base commit"
 
     @property
     def ok(self) -> bool:
-        return not (self.missing or self.corrupt)
+        return not (self.missing or self.corrupt or self.history)
 
 
 def _store_files(root: Path) -> set[str]:
@@ -198,8 +199,10 @@ def _store_files(root: Path) -> set[str]:
     return found
 
 
-def verify(store: Store) -> VerifyReport:
-    """Re-hash every file the index names; list the image files it does not name."""
+def verify(store: Store, *, history: bool = True) -> VerifyReport:
+    """Re-hash every file the index names; list the image files it does not name. With `history`, also
+    check each instance's workdir repository in the instance (build.repo_history: HEAD and its ancestors
+    only, no other ref, no unreachable object)."""
     from image_builder.oci.cache import sha256_file
     report = VerifyReport()
     index = store.index
@@ -213,6 +216,20 @@ def verify(store: Store) -> VerifyReport:
         elif sha256_file(path) != digest:
             report.corrupt.append(rel)
     report.orphaned = sorted(_store_files(store.root) - set(expected))
+    if history:
+        from image_builder.build.repo_history import check_instance
+        from image_builder.runtime.mounts import RunnerError
+        damaged = set(report.missing) | set(report.corrupt)
+        for iid, inst in sorted(index.instances.items()):
+            env = index.environments[inst.environment]
+            if damaged & {*env.files, inst.sqfs}:
+                continue  # already reported, and not mountable as it should be
+            try:
+                problem = check_instance(store.resolve(iid))
+            except RunnerError as e:
+                problem = f"cannot run the check: {e}"
+            if problem:
+                report.history.append(f"{shown_id(iid)}: {problem}")
     return report
 
 
