@@ -314,7 +314,11 @@ def verify(store, no_history):
     """Re-hash every file against the index; report missing, corrupt and orphaned files, and instances whose
     repository holds more than their base commit and its ancestors."""
     from image_builder.store.store import Store, verify as do_verify
-    report = do_verify(Store.open(store), history=not no_history)
+    st = Store.open(store)
+    report = do_verify(st)
+    if not no_history:
+        from image_builder.build.repo_history import check_histories
+        check_histories(st, report)
     for kind in ("missing", "corrupt", "orphaned", "history"):
         for rel in getattr(report, kind):
             click.echo(f"{kind}: {rel}")

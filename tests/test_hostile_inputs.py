@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from image_builder.oci.layers import LayerError, flatten
-from image_builder.pack.overlay import MAX_DEPTH, TreeError, normalise_upper, walk
+from image_builder.oci.trees import MAX_DEPTH, TreeError, walk
+from image_builder.pack.overlay import normalise_upper
 from image_builder.tasks import DatasetError, load_tasks, read_lines
 from tests.conftest import DATA, ROOT, run_cli
 from tests.support.oci import Blob, Entry, Pusher, config_blob, layer, tar_bytes

@@ -26,7 +26,8 @@ from __future__ import annotations
 import hashlib
 import shlex
 
-from image_builder.store.store import ResolvedInstance
+from image_builder.store.ids import shown_id
+from image_builder.store.store import ResolvedInstance, Store, VerifyReport
 
 IN_SANDBOX = "/tmp/.image-builder/repo-history.sh"
 STAGED_AS = "repo-history.sh"  # under /tmp/.image-builder, as the build sandbox stages files
@@ -145,3 +146,22 @@ def check_instance(resolved: ResolvedInstance) -> str | None:
         if lines := out.decode(errors="replace").strip().splitlines():
             return lines[-1]
     return f"the check exited {result.exit_code}"
+
+
+def check_histories(store: Store, report: VerifyReport) -> None:
+    """`image-builder verify`'s history part: each instance whose workdir repository breaks the
+    rule, in report.history (one line each), over a report of store.verify, whose missing and
+    corrupt files are passed over (already reported, and not mountable as they should be)."""
+    from image_builder.runtime.mounts import RunnerError
+
+    damaged = set(report.missing) | set(report.corrupt)
+    index = store.index
+    for iid, inst in sorted(index.instances.items()):
+        if damaged & {*index.environments[inst.environment].files, inst.sqfs}:
+            continue
+        try:
+            problem = check_instance(store.resolve(iid))
+        except RunnerError as e:
+            problem = f"cannot run the check: {e}"
+        if problem:
+            report.history.append(f"{shown_id(iid)}: {problem}")

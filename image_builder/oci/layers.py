@@ -5,7 +5,7 @@ root: parent directories are walked one component at a time with O_NOFOLLOW
 directory handles, symlinks met on the way are spliced in relative to the root,
 and the final component is never followed. All changes go through those
 handles (the *at system calls), so nothing outside the root can be touched.
-An entry deeper than pack.overlay's MAX_DEPTH, with a path longer than its
+An entry deeper than oci.trees' MAX_DEPTH, with a path longer than its
 MAX_PATH (where it lands: symlinks on the way count), or a name or link target
 longer than the kernel takes, refuses the layer in one line.
 """
@@ -27,7 +27,7 @@ from typing import BinaryIO, Callable, Sequence, TypeVar
 import zstandard
 
 from image_builder.errors import ImageBuilderError
-from image_builder.pack.overlay import MAX_DEPTH, MAX_PATH, shown_path
+from .trees import MAX_DEPTH, MAX_PATH, shown_path
 
 _T = TypeVar("_T")
 
@@ -358,7 +358,7 @@ class _Tree:
 
     def _check_path(self, entry: str, canon: str, name: str) -> None:
         """Where an entry lands (symlinks on the way spliced in) within the bounds the rest of
-        the pipeline takes (pack.overlay.MAX_DEPTH, MAX_PATH), its name within the kernel's."""
+        the pipeline takes (trees.MAX_DEPTH, MAX_PATH), its name within the kernel's."""
         if len(os.fsencode(name)) > _NAME_MAX:
             raise self._error(entry, f"a name of {len(os.fsencode(name))} bytes (at most {_NAME_MAX})", _TOO_DEEP)
         if canon.count("/") >= MAX_DEPTH or len(os.fsencode(canon)) > MAX_PATH:

@@ -199,10 +199,9 @@ def _store_files(root: Path) -> set[str]:
     return found
 
 
-def verify(store: Store, *, history: bool = True) -> VerifyReport:
-    """Re-hash every file the index names; list the image files it does not name. With `history`, also
-    check each instance's workdir repository in the instance (build.repo_history: HEAD and its ancestors
-    only, no other ref, no unreachable object)."""
+def verify(store: Store) -> VerifyReport:
+    """Re-hash every file the index names; list the image files it does not name. (`history` is
+    filled by build.repo_history.check_histories, which runs each instance.)"""
     from image_builder.oci.cache import sha256_file
     report = VerifyReport()
     index = store.index
@@ -216,20 +215,6 @@ def verify(store: Store, *, history: bool = True) -> VerifyReport:
         elif sha256_file(path) != digest:
             report.corrupt.append(rel)
     report.orphaned = sorted(_store_files(store.root) - set(expected))
-    if history:
-        from image_builder.build.repo_history import check_instance
-        from image_builder.runtime.mounts import RunnerError
-        damaged = set(report.missing) | set(report.corrupt)
-        for iid, inst in sorted(index.instances.items()):
-            env = index.environments[inst.environment]
-            if damaged & {*env.files, inst.sqfs}:
-                continue  # already reported, and not mountable as it should be
-            try:
-                problem = check_instance(store.resolve(iid))
-            except RunnerError as e:
-                problem = f"cannot run the check: {e}"
-            if problem:
-                report.history.append(f"{shown_id(iid)}: {problem}")
     return report
 
 

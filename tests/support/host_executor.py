@@ -36,8 +36,9 @@ from image_builder.errors import ImageBuilderError
 from image_builder.runtime.execution import RunRequest, RunResult
 
 # A uid of its own, not nobody: RLIMIT_NPROC counts every process of the uid, and other test
-# suites on the same host run as nobody.
-SANDBOX_UID = 60321
+# suites on the same host run as nobody. One per xdist worker (gw0, gw1, ...): a fork bomb on
+# one worker fills its uid's budget, which another worker's runs must not share.
+SANDBOX_UID = 60321 + int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 # argv: status_fd  uid|-  nproc|-  as_bytes|-  tmp  cmd...
