@@ -95,14 +95,17 @@ def naive_manager(compute_score, batch) -> tuple[list[float], dict[str, list]]:
         extra_info["rollout_reward_scores"] = {}
         score = compute_score(data_source=row["data_source"], solution_str=response,
                               ground_truth=row["reward_model"]["ground_truth"], extra_info=extra_info)
-        if isinstance(score, dict):
-            reward = score["score"]
-            for key, value in score.items():
-                extra[key].append(value)
-        else:
-            reward = score
-        rewards_.append(reward)
+        rewards_.append(_reward(score, extra))
     return rewards_, extra
+
+
+def _reward(score, extra: dict[str, list]):
+    """How both managers read a row's score: a dict's "score" is the reward, its keys go to the extra info."""
+    if not isinstance(score, dict):
+        return score
+    for key, value in score.items():
+        extra[key].append(value)
+    return score["score"]
 
 
 def batch_manager(compute_score, batch, **reward_kwargs) -> tuple[list[float], dict[str, list]]:
@@ -117,17 +120,8 @@ def batch_manager(compute_score, batch, **reward_kwargs) -> tuple[list[float], d
     scores = compute_score(data_sources=data_sources, solution_strs=[response for _, response, _ in batch],
                            ground_truths=[row["reward_model"].get("ground_truth", None) for row, _, _ in batch],
                            extra_infos=extras, **reward_kwargs)
-    rewards_, extra = [], defaultdict(list)
-    for i in range(len(batch)):
-        score = scores[i]
-        if isinstance(score, dict):
-            reward = score["score"]
-            for key, value in score.items():
-                extra[key].append(value)
-        else:
-            reward = score
-        rewards_.append(reward)
-    return rewards_, extra
+    extra = defaultdict(list)
+    return [_reward(scores[i], extra) for i in range(len(batch))], extra
 
 
 PRIME_TIMEOUT = 60.0  # verl waits 300 s a row

@@ -458,11 +458,7 @@ def _open_parent(base: int, names: tuple[str, ...], entry: str) -> int:
     fd = os.dup(base)
     for i, name in enumerate(names):
         try:
-            os.mkdir(name, 0o755, dir_fd=fd)
-        except FileExistsError:
-            pass
-        try:
-            below = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            below = _made_dir(name, fd, 0o755)
         except OSError:
             through = "/".join(PurePosixPath(entry).parts[:i + 1])
             raise RunnerError(f"download: refusing the entry {entry!r}: it would go through {through!r}, which "
@@ -473,15 +469,21 @@ def _open_parent(base: int, names: tuple[str, ...], entry: str) -> int:
     return fd
 
 
+def _made_dir(name: str, parent: int, mode: int) -> int:
+    """The directory `name` in `parent`, made where missing, open; OSError where `name` is
+    something else (a symlink is never followed)."""
+    try:
+        os.mkdir(name, mode, dir_fd=parent)
+    except FileExistsError:
+        pass
+    return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+
+
 def _make_entry(tar: tarfile.TarFile, m: tarfile.TarInfo, parent: int, name: str) -> None:
     """One entry of _untar_confined, as `name` in the directory `parent`."""
     if m.isdir():
         try:
-            os.mkdir(name, 0o700, dir_fd=parent)
-        except FileExistsError:
-            pass
-        try:
-            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+            fd = _made_dir(name, parent, 0o700)
         except OSError:
             raise RunnerError(f"download: refusing the entry {m.name!r}: a file or symlink of that name came "
                               "before it") from None
