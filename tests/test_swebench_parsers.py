@@ -308,3 +308,73 @@ def test_facts_from_before_the_parser_was_kept_still_shorten_path_options():
     assert graded.repo.resolved and graded.repo.crosscheck == "junit", graded.reason
     plain = judge_facts(task("my/fork", "tests/test_paths.py", ids[:1], ids[1:]), replace(facts, path_options=False))
     assert not plain.repo.resolved  # parse_log_pytest keeps the whole path
+
+
+# --- tests that need the network ----------------------------------------------------------------------------------
+
+REQUESTS_LOG = """\
+============================= test session starts ==============================
+collected 2 items
+
+tests/test_requests.py .F                                                [100%]
+
+=================================== FAILURES ===================================
+________________________________ test_get_http _________________________________
+    def test_get_http():
+>       requests.get("http://httpbin.org/get")
+E       socket.gaierror: [Errno -3] Temporary failure in name resolution
+
+During handling of the above exception, another exception occurred:
+E       urllib3.exceptions.NewConnectionError: <urllib3.connection.HTTPConnection object at 0x7f>: Failed to \
+establish a new connection: [Errno -3] Temporary failure in name resolution
+
+During handling of the above exception, another exception occurred:
+E       requests.exceptions.ConnectionError: HTTPConnectionPool(host='httpbin.org', port=80): Max retries exceeded
+
+tests/test_requests.py:9: ConnectionError
+=========================== short test summary info ============================
+PASSED tests/test_requests.py::test_local
+FAILED tests/test_requests.py::test_get_http - requests.exceptions.ConnectionError: HTTPConnectionPool(host='h...
+========================= 1 failed, 1 passed in 0.50s ==========================
+"""
+REQUESTS_JUNIT = ('<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="0" failures="1" '
+                  'tests="2"><testcase classname="tests.test_requests" name="test_local" time="0.0" />'
+                  '<testcase classname="tests.test_requests" name="test_get_http" time="0.0"><failure '
+                  'message="requests.exceptions.ConnectionError">E requests.exceptions.ConnectionError</failure>'
+                  '</testcase></testsuite></testsuites>')
+
+
+def grade_requests(log: str, network: bool):
+    replay = Replay(log, REQUESTS_JUNIT, log_parser="parse_log_pytest", test_command="pytest -rA")
+    tests = ["tests/test_requests.py::test_get_http", "tests/test_requests.py::test_local"]
+    return grade_repo(task("psf/requests", "tests/test_requests.py", tests[:1], tests[1:]), "", replay,
+                      GradeOptions(repo_network=network))
+
+
+def test_a_run_without_network_whose_tests_fail_on_name_resolution_is_an_error_naming_net(source):
+    graded = grade_requests(REQUESTS_LOG, network=False)
+    assert graded.status is TaskStatus.ERROR, graded.reason
+    assert "--net" in graded.reason and "tests/test_requests.py::test_get_http" in graded.reason
+    assert "socket.gaierror: [Errno -3] Temporary failure in name resolution" in graded.reason
+    assert graded.repo.fail_to_pass == {"tests/test_requests.py::test_get_http": "FAILED"}
+    # regrading the kept facts decides the same
+    again = judge_facts(task("psf/requests", "tests/test_requests.py", ["tests/test_requests.py::test_get_http"],
+                             ["tests/test_requests.py::test_local"]),
+                        RunFacts.from_json(graded.artifacts["run.json"]))
+    assert again.status is TaskStatus.ERROR
+
+
+def test_the_same_failure_with_the_network_on_fails_the_patch(source):
+    graded = grade_requests(REQUESTS_LOG, network=True)
+    assert graded.status is TaskStatus.FAILED and "--net" not in graded.reason
+    assert "first tests/test_requests.py::test_get_http" in graded.reason
+
+
+def test_a_failure_without_a_network_error_in_the_log_fails_the_patch(source):
+    plain = "\n".join(line for line in REQUESTS_LOG.splitlines()
+                      if not any(word in line for word in ("gaierror", "Connection", "connection")))
+    graded = grade_requests(plain.replace("PASSED tests/test_requests.py::test_local",
+                                          "PASSED tests/test_requests.py::test_local\n"
+                                          "FAILED tests/test_requests.py::test_get_http - assert 1 == 2"),
+                            network=False)
+    assert graded.status is TaskStatus.FAILED, graded.reason

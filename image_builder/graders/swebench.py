@@ -46,7 +46,8 @@ pytest-format parser: sphinx), not by the parser's name.
 
 `resolved` as SWE-bench defines it: every FAIL_TO_PASS and PASS_TO_PASS test
 passed (PASSED or XFAIL); FAILED, ERROR, missing or mismatched tests fail;
-SKIPPED tests count for neither side.
+SKIPPED tests count for neither side. A run without the network (no `grade --net`) whose failing tests
+left a name-resolution or connection error in the log is an `error` naming --net, not a failed patch.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import re
 import secrets
 import shlex
 from dataclasses import asdict, dataclass
@@ -354,6 +356,34 @@ def judge_facts(task: RepoTask, facts: RunFacts) -> GradeResult:
                    infra=facts.infra, path_options=facts.path_options, log_parser=facts.log_parser)
     if graded.repo is not None:
         graded.repo.network = facts.network
+        if not facts.network and graded.status is TaskStatus.FAILED:
+            return _without_network(graded)
+    return graded
+
+
+# What a test that needs the network prints when the run has none: name resolution or the connection
+# failing (socket, urllib3, requests, curl). Not ConnectionRefusedError: a local server a test starts
+# can refuse for reasons of its own.
+_NETWORK_ERROR = re.compile(r"gaierror|NewConnectionError|Temporary failure in name resolution"
+                            r"|Name or service not known|No address associated with hostname"
+                            r"|Network is unreachable|Failed to establish a new connection"
+                            r"|Could not resolve host|\bConnectionError:")
+
+
+def _without_network(graded: GradeResult) -> GradeResult:
+    """A failed run without the network whose log shows a network error: the tests could not reach what
+    they need, which says nothing of the patch; an error naming --net. Only when the log holds such a
+    line, so a patch that breaks other tests still fails."""
+    report = graded.repo
+    failing = [t for t, s in {**report.fail_to_pass, **report.pass_to_pass}.items()
+               if s not in _SUCCESS and s not in _NEUTRAL]
+    line = next((line.strip() for line in report.log.splitlines() if _NETWORK_ERROR.search(line)), None)
+    if not failing or line is None:
+        return graded
+    shown = ", ".join(failing[:3]) + (f" and {len(failing) - 3} more" if len(failing) > 3 else "")
+    graded.status, graded.score = TaskStatus.ERROR, 0.0
+    graded.reason = (f"{len(failing)} of the FAIL_TO_PASS/PASS_TO_PASS tests failed ({shown}) and the run had "
+                     f"no network: {line[:200]}; grade again with --net (SWE-bench's harness runs with it)")
     return graded
 
 
