@@ -153,6 +153,27 @@ def test_cli_failure_shows_the_last_20_log_lines(tmp_path, tiny_catalog, registr
     assert r.stderr.strip().splitlines()[-1].startswith("failed: environment tiny: script make.sh exited 7")
 
 
+def test_cli_failure_shows_the_compiler_error_not_pip_s_notices(tmp_path, tiny_catalog, registries):
+    """A failed pip build ends in pip's noise; the gcc error that made it fail comes long before."""
+    (tmp_path / "scripts/make.sh").write_text(
+        "#!/bin/sh\ni=0\nwhile [ $i -lt 30 ]; do echo filler-$i; i=$((i+1)); done\n"
+        "echo 'gcc -Wno-error=format -c src/fast.c -o build/fast.o'\n"
+        "echo 'src/fast.c:3:10: fatal error: Python.h: No such file or directory'\n"
+        "echo '    3 | #include <Python.h>'\n"
+        "i=0\nwhile [ $i -lt 30 ]; do echo after-$i; i=$((i+1)); done\n"
+        "echo '[notice] A new release of pip is available: 23.0 -> 24.0'\n"
+        "echo '[notice] To update, run: pip install --upgrade pip'\nexit 1\n")
+    r = run_cli("build", str(tiny_catalog), "--store", str(tmp_path / "store"), "--cache-dir", str(tmp_path / "c"),
+                "--ca-cert", str(registries.tls.cert))
+    assert r.returncode == 1
+    shown = [line[4:] for line in r.stderr.splitlines() if line.startswith("  | ")]
+    assert shown == [*(f"filler-{i}" for i in range(26, 30)), "gcc -Wno-error=format -c src/fast.c -o build/fast.o",
+                     "src/fast.c:3:10: fatal error: Python.h: No such file or directory", "    3 | #include <Python.h>",
+                     *(f"after-{i}" for i in range(9))]
+    assert "[notice]" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("failed: environment tiny: script make.sh exited 1")
+
+
 def test_script_timeout_kills_everything(tmp_path, tiny_base, registries):
     cat = write_catalog(tmp_path, [{"name": "slow", "base": tiny_base, "scripts": ["slow.sh"], "timeout": 1}],
                         {"slow.sh": "#!/bin/sh\n(sleep 97 &)\nsleep 98\n"})

@@ -285,7 +285,7 @@ def run_scripts(spec: EnvironmentSpec, sandbox: SandboxSpec, backend: BuildBacke
             why = f"timed out after {spec.timeout:g} s" if result.timed_out else f"exited {result.returncode}"
             raise BuildFailed(f"environment {spec.name}: script {script.name} {why}; log: {log}; "
                               f"debug with: image-builder debug {spec.name} --store {paths.root}",
-                              log=log, tail=result.tail)
+                              log=log, tail=result.failure_lines)
 
 
 def keep_failed(paths: StorePaths, spec: EnvironmentSpec, work: Path, env: dict[str, str],

@@ -136,7 +136,7 @@ def build_instance(spec: InstanceSpec, env: EnvBuild, store: Path, *, backend: B
         if result.returncode != 0:
             why = f"timed out after {spec.timeout:g} s" if result.timed_out else f"exited {result.returncode}"
             raise BuildFailed(f"instance {spec.id}: script {spec.script.name if spec.script else '(files)'} "
-                              f"{why}; log: {log}", log=log, tail=result.tail)
+                              f"{why}; log: {log}", log=log, tail=result.failure_lines)
         normalise_upper(upper, lower_children(lowers))
         clamp_to_epoch(upper)  # as for environments: the same inputs make the same bytes
         pack(upper, dest, replace(squash, all_root=True))  # written by the sandbox's uid: root's inside

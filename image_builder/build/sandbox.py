@@ -27,6 +27,7 @@ from __future__ import annotations
 import enum
 import functools
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -129,7 +130,21 @@ class Result:
     returncode: int
     timed_out: bool
     seconds: float
-    tail: tuple[str, ...]  # the last lines of output
+    tail: tuple[str, ...]  # the last lines of output (pip's [notice] lines left out)
+    around_error: tuple[str, ...] = ()  # the lines around the first error line, if there is one
+
+    @property
+    def failure_lines(self) -> tuple[str, ...]:
+        """What a failed build shows: the first error in context (a compiler's error comes long before pip's
+        closing noise), else the last lines."""
+        return self.around_error or self.tail
+
+
+# A line that reports an error: gcc's `x.c:1: error:`, make's `Error 1`, pip's `ERROR:`, a Python exception.
+# Not `-Werror`/`-Wno-error` flags or strerror in configure output.
+ERROR_LINE = re.compile(r"(?<![\w-])error:|(?<![\w-])(?:Error|ERROR)(?=[:\s]|$)|\w+Error:")
+NOTICE_LINE = re.compile(r"^\s*\[notice\]")  # pip's "A new release of pip is available"
+LINES_BEFORE_ERROR, LINES_AFTER_ERROR = 5, 10
 
 
 def clean_env(spec: SandboxSpec) -> dict[str, str]:
@@ -404,6 +419,8 @@ def _fuse_overlay(spec: SandboxSpec, staging: Path) -> list[Path]:
 
 def _supervise(cmd, env, timeout, log, echo, tail_lines, t0) -> Result:
     tail: deque[str] = deque(maxlen=tail_lines)
+    around_error: list[str] = []
+    after = -1  # lines still to keep after the first error line; -1: none seen yet
     timed_out = False
     log_file = open(log, "ab") if log else None
     try:
@@ -427,7 +444,16 @@ def _supervise(cmd, env, timeout, log, echo, tail_lines, t0) -> Result:
                 if echo:
                     sys.stderr.buffer.write(line)
                     sys.stderr.flush()
-                tail.append(line.decode(errors="replace").rstrip("\n"))
+                text = line.decode(errors="replace").rstrip("\n")
+                if NOTICE_LINE.match(text):
+                    continue
+                if after > 0:
+                    around_error.append(text)
+                    after -= 1
+                elif after < 0 and ERROR_LINE.search(text):
+                    around_error = [*list(tail)[-LINES_BEFORE_ERROR:], text]
+                    after = LINES_AFTER_ERROR
+                tail.append(text)
             code = proc.wait()
         except BaseException:  # Ctrl-C: take the whole sandbox down with us
             kill()
@@ -440,4 +466,4 @@ def _supervise(cmd, env, timeout, log, echo, tail_lines, t0) -> Result:
     finally:
         if log_file:
             log_file.close()
-    return Result(code, timed_out, time.monotonic() - t0, tuple(tail))
+    return Result(code, timed_out, time.monotonic() - t0, tuple(tail), tuple(around_error))
