@@ -139,3 +139,22 @@ def test_a_per_task_context_cannot_climb_out_of_its_template(tmp_path):
     r = run_cli("check", str(catalog))
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "outside" in r.stderr and "fix the task's fields in the dataset" in r.stderr, r.stderr
+
+
+def test_relative_paths_make_a_catalog_that_works_from_any_cwd(tmp_path):
+    """`--repos repos` relative to the cwd: the repositories are found, and the catalog (its bundles, its
+    dataset) checks from elsewhere."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "repos").symlink_to(DATA / "repos")
+    (work / "swebench.jsonl").write_text(MARSHMALLOW.read_text())
+    r = run_cli("swebench", "catalog", "swebench.jsonl", "--repos", "repos", "-o", "out/swe.yaml",
+                "--python", "3.9=registry.example/python:3.9", "--python-default", "", cwd=work)
+    assert r.returncode == 0, r.stderr
+    assert "2 repository environments, 2 instances (0 left out)" in r.stdout
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    r = run_cli("check", str(work / "out/swe.yaml"), cwd=elsewhere)
+    assert r.returncode == 0, r.stderr
+    assert sorted(load(work / "out/swe.yaml").instances) == ["marshmallow-code__marshmallow-1343",
+                                                             "marshmallow-code__marshmallow-1359"]

@@ -193,10 +193,10 @@ class Repository:
     """A bare mirror of one repository's source (a bundle or a git directory), for cutting bundles."""
 
     def __init__(self, source: Path, work: Path, exclude_tags: tuple[str, ...] = ()):
-        self.source = source
+        self.source = source.absolute()  # git clones from another cwd: a relative --repos would not be found
         self.exclude_tags = exclude_tags
         self.git_dir = work / (file_name(source.name) + ".git")
-        self._git("clone", "-q", "--mirror", str(source), str(self.git_dir), cwd=work)
+        self._git("clone", "-q", "--mirror", str(self.source), str(self.git_dir), cwd=work)
 
     def _git(self, *args: str, cwd: Path | None = None) -> str:
         base = ["git", "-c", "core.hooksPath=/dev/null"] + ([] if cwd else ["--git-dir", str(self.git_dir)])
