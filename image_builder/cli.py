@@ -141,7 +141,9 @@ def _parse_shard(value: str | None) -> tuple[int, int] | None:
 @store_option
 @click.option("-j", "--jobs", type=click.IntRange(1, 256), default=2, show_default=True,
               help="Items built at once.")
-@click.option("--only", multiple=True, metavar="ID", help="Build only these instances or environments.")
+@click.option("--only", multiple=True, metavar="ID", help="Build only these instances or environments (and what "
+              "they are built on): names or shell globs, quoted ('sphinx-doc__sphinx-*'), repeatable or "
+              "comma-separated.")
 @click.option("--shard", metavar="K/N", help="Build the K-th of N slices of the instances (K from 0), "
               "writing an index fragment for `index merge`.")
 @click.option("--environments-only", is_flag=True, help="Build only the environments (those of the --only or "
@@ -165,7 +167,7 @@ def build(catalog, store, jobs, only, shard, fail_fast, attempt, environments_on
     from image_builder.build.catalog import load
     from image_builder.build.envbuild import BuildOptions
     from image_builder.build.sandbox import BuildBackend, detect_backend
-    from image_builder.build.storebuild import StoreBuildOptions, build_store, select, to_json
+    from image_builder.build.storebuild import StoreBuildOptions, build_store, expand_only, select, to_json
     from image_builder.oci.cache import BlobCache
     from image_builder.pack.squashfs import SquashOptions
     from image_builder.progress import BuildLog, BuildProgress
@@ -180,7 +182,7 @@ def build(catalog, store, jobs, only, shard, fail_fast, attempt, environments_on
                               squash=SquashOptions(compression=compression,
                                                    level=3 if compression == "zstd" else None, processors=processors),
                               verbose=verbose, force=force)
-    opts = StoreBuildOptions(build_opts, jobs=jobs, only=frozenset(only), shard=_parse_shard(shard),
+    opts = StoreBuildOptions(build_opts, jobs=jobs, only=expand_only(cat, only), shard=_parse_shard(shard),
                              fail_fast=fail_fast, environments_only=environments_only, attempt=attempt)
     envs, instances = select(cat, opts.only, opts.shard, opts.environments_only)
     reporter = BuildProgress(len(envs) + len(instances)) if sys.stderr.isatty() and not verbose else BuildLog()

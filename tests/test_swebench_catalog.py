@@ -158,3 +158,24 @@ def test_relative_paths_make_a_catalog_that_works_from_any_cwd(tmp_path):
     assert r.returncode == 0, r.stderr
     assert sorted(load(work / "out/swe.yaml").instances) == ["marshmallow-code__marshmallow-1343",
                                                              "marshmallow-code__marshmallow-1359"]
+
+
+def test_build_only_takes_globs_and_commas(tmp_path):
+    from image_builder.build.storebuild import expand_only, select
+    assert generate(tmp_path, MARSHMALLOW).returncode == 0
+    cat = load(tmp_path / "swe.yaml")
+    slug = "marshmallow-code__marshmallow"
+    both = [f"{slug}-1343", f"{slug}-1359"]
+    assert expand_only(cat, (f"{slug}-13*",)) == frozenset(both)
+    assert expand_only(cat, (f"{slug}-1343, {slug}-1359",)) == frozenset(both)
+    envs, instances = select(cat, expand_only(cat, (f"*-1359,{slug}-2.20-deps",)), None)
+    assert [i.id for i in instances] == [f"{slug}-1359"]
+    assert [e.name for e in envs] == ["python-3.9", f"{slug}-py3.9-history", f"{slug}-2.20-deps", f"{slug}-3.0-deps",
+                                      f"{slug}-3.0"]
+    r = run_cli("build", str(tmp_path / "swe.yaml"), "--store", str(tmp_path / "store"), "--only", f"{slug}-1343,nope-*")
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (f"Error: --only 'nope-*': no environment or instance in "
+                                                 f"{tmp_path / 'swe.yaml'} matches; give a name the catalog declares, "
+                                                 "or a glob (quoted) matching some")
+    assert not (tmp_path / "store").exists()
+    assert "glob" in run_cli("build", "--help").stdout

@@ -17,6 +17,7 @@ shard is not tried again by the others of the same attempt.
 from __future__ import annotations
 
 import fcntl
+import fnmatch
 import json
 import time
 from collections.abc import Iterator
@@ -95,6 +96,22 @@ def item_lock(store: Path, name: str) -> Iterator[None]:
     with open(lock, "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         yield
+
+
+def expand_only(catalog: Catalog, patterns: tuple[str, ...]) -> frozenset[str]:
+    """`--only` values: environment or instance names, shell globs of them, several to a value with commas."""
+    names = [*catalog.environments, *catalog.instances]
+    chosen: set[str] = set()
+    for pattern in (p.strip() for value in patterns for p in value.split(",")):
+        if not pattern:
+            continue
+        matched = fnmatch.filter(names, pattern) if any(c in pattern for c in "*?[") else \
+            [pattern] if pattern in names else []
+        if not matched:
+            raise ImageBuilderError(f"--only {pattern!r}: no environment or instance in {catalog.path} matches; "
+                                    "give a name the catalog declares, or a glob (quoted) matching some")
+        chosen.update(matched)
+    return frozenset(chosen)
 
 
 def select(catalog: Catalog, only: frozenset[str], shard: tuple[int, int] | None, environments_only: bool = False
