@@ -1038,7 +1038,7 @@ def swebench_catalog(dataset, repos, output, pythons, python_default, apt, pip_v
             raise click.BadParameter(f"{v!r}: expected X.Y=REFERENCE", param_hint="--python")
         mapping[version] = ref
     result = generate(CatalogOptions(dataset, repos, output, mapping, python_default, apt, pip_version,
-                                     tuple(exclude_tags)))
+                                     tuple(exclude_tags)), progress=lambda line: click.echo(line, err=True))
     for line in result.skipped:
         click.echo(f"left out: {line}", err=True)
     for line in result.notes:

@@ -28,6 +28,10 @@ def test_catalog_from_the_specs_layers_history_and_builds_each_instance_once(tmp
     r = generate(tmp_path, MARSHMALLOW)
     assert r.returncode == 0, r.stderr
     assert "2 repository environments, 2 instances (0 left out)" in r.stdout
+    # progress on stderr: the repository read, then each version as it is prepared
+    assert r.stderr.splitlines() == [f"marshmallow-code/marshmallow: reading {DATA / 'repos/marshmallow.bundle'}",
+                                     "marshmallow-code/marshmallow 2.20: 1 instance (1 of 2)",
+                                     "marshmallow-code/marshmallow 3.0: 1 instance (2 of 2)"]
     cat = load(tmp_path / "swe.yaml")
     envs = cat.environments
     slug = "marshmallow-code__marshmallow"
@@ -89,7 +93,7 @@ def test_specs_that_cannot_be_honoured_are_reported_per_instance(tmp_path):
     dataset.write_text("".join(json.dumps(r) + "\n" for r in [good, *bad]))
     r = generate(tmp_path, dataset)
     assert r.returncode == 0, r.stderr
-    lines = r.stderr.splitlines()
+    lines = [line for line in r.stderr.splitlines() if line.startswith("left out: ")]
     assert len(lines) == len(bad), lines
     assert "left out: nobody__nothing-1: swebench has no spec for repository nobody/nothing" in lines
     assert any(line.startswith("left out: marshmallow-code__marshmallow-9: swebench has no spec for "

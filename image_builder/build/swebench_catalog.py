@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -285,7 +286,9 @@ class CatalogOptions:
     exclude_tags: tuple[str, ...] = ()
 
 
-def generate(opts: CatalogOptions) -> Generated:
+def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line: None) -> Generated:
+    """`progress`: one line per repository read and per repository version prepared (cutting bundles of a
+    large history takes minutes)."""
     constants = load_swebench()
     parsers = log_parsers()
     rows = {rid: record for rid, record in read_records(opts.dataset)}
@@ -318,6 +321,8 @@ def generate(opts: CatalogOptions) -> Generated:
         for (repo, version), members in groups.items():
             if repo not in mirrors:
                 source = _find_source(opts.repos, repo)
+                if source:
+                    progress(f"{repo}: reading {source}")
                 try:
                     mirrors[repo] = Repository(source, Path(tmp), opts.exclude_tags) if source else \
                         f"no repository for {repo} in {opts.repos} (a {repo.split('/')[1]}.bundle or clone)"
@@ -331,7 +336,9 @@ def generate(opts: CatalogOptions) -> Generated:
 
         python_envs: set[str] = set()
         histories: dict[tuple[str, str], str] = {}  # (repo, python) -> its history environment's merge-base
-        for repo, version, spec, base, mirror, requirements, members in usable:
+        for done, (repo, version, spec, base, mirror, requirements, members) in enumerate(usable, 1):
+            progress(f"{repo} {version}: {len(members)} instance{'s' if len(members) != 1 else ''} "
+                     f"({done} of {len(usable)})")
             python_env = f"python-{spec.python}"
             if python_env not in python_envs:
                 python_envs.add(python_env)
