@@ -553,6 +553,63 @@ def _has(layers, path: str) -> bool:
 
 
 @main.command()
+@store_option
+@click.option("--env", "env_name", metavar="NAME", help="The environment runs use (default: the store's only, "
+                                                        "else first by name).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True)
+@click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path),
+              help="Bearer token clients send (made, mode 600, when absent; default: "
+                   "$XDG_CONFIG_HOME/image_builder/serve.token).")
+@click.option("--no-token", is_flag=True, help="No authentication (loopback only: any user of the node can call it).")
+@click.option("--max-concurrency", type=click.IntRange(1), default=4, show_default=True, help="Runs at once.")
+@click.option("--queue", type=click.IntRange(0), default=16, show_default=True,
+              help="Requests waiting for a run; past them, 503 with Retry-After.")
+@click.option("--body-limit", type=_Size(), default="16M", show_default=True, metavar="SIZE",
+              help="Largest request body (K, M, G); past it, 413.")
+@runtime_backend_option
+@_one_line_errors
+def serve(store, env_name, host, port, token_file, no_token, max_concurrency, queue, body_limit, backend):
+    """Serve SandboxFusion's API (POST /run_code, GET /health) over an environment of STORE.
+
+    Each run gets a fresh root and no network, as `run`. The verdict is the exit
+    status (SandboxFusion's): grade rewards with compute_score/grade instead.
+    """
+    import ipaddress
+
+    try:
+        import uvicorn
+    except ImportError:
+        raise click.ClickException("serve needs starlette and uvicorn: pip install 'image_builder[serve]'") from None
+
+    from image_builder.runtime.backends import open_session
+    from image_builder.runtime.session import Backend
+    from image_builder.serve import Limits, Runner, default_token_file, environment_layers, load_or_create_token, \
+        make_app
+    from image_builder.store.store import Store
+    if no_token:
+        try:
+            loopback = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = host == "localhost"
+        if not loopback:
+            raise click.BadParameter("--no-token only with a loopback --host", param_hint="--no-token")
+        token = None
+    else:
+        token_file = token_file or default_token_file()
+        token, made = load_or_create_token(token_file)
+        click.echo(f"image-builder serve: token {'written to' if made else 'read from'} {token_file} "
+                   "(send it as 'Authorization: Bearer TOKEN')", err=True)
+    layers, name = environment_layers(Store.open(store), env_name)
+    with open_session(layers, backend=Backend(backend) if backend else None) as session:
+        runner = Runner.probe(session)
+        click.echo(f"image-builder serve: environment {name} ({', '.join(sorted(runner.languages)) or 'no languages'})"
+                   f" on http://{host}:{port}", err=True)
+        uvicorn.run(make_app(runner, token, Limits(max_concurrency, queue, body_limit)), host=host, port=port,
+                    access_log=False, log_level="warning")
+
+
+@main.command()
 @_one_line_errors
 def doctor():
     """What this host supports for running instances, and why."""

@@ -19,7 +19,7 @@ STAGES = [
     {"build"},
     {"graders"},
     {"agents"},
-    {"devtools", "cli", "slurm", "rewards"},
+    {"devtools", "cli", "slurm", "rewards", "serve"},
 ]
 
 

@@ -1,0 +1,411 @@
+"""`image-builder serve`: SandboxFusion's HTTP API (`POST /run_code`, `GET /health`) over a store's environment.
+
+Trainers and tools written for SandboxFusion's client run code here unchanged. Every run is what
+`image-builder run` gives: a fresh throwaway root over the environment's read-only layers, no network,
+the process tree killed at the timeout, through one warm runtime session shared by the server's threads.
+
+The verdict is the exit status, as SandboxFusion's is (code that calls `sys.exit(0)` "passes"): graded
+rewards use `image_builder.rewards.compute_score` / `grade`, whose verdicts the candidate cannot forge.
+
+Guarding a shared node: a bearer token (another user on the node can reach a loopback port too), at most
+`max_concurrency` runs at once with a short queue (past it, 503 with Retry-After, so clients back off
+rather than pile up), and a body size limit (413).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import hmac
+import json
+import os
+import secrets
+import shlex
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from image_builder.errors import ImageBuilderError
+from image_builder.runtime.execution import RunRequest, RunResult
+from image_builder.runtime.session import InstanceLayers
+
+DEFAULT_BODY_LIMIT = 16 << 20
+DEFAULT_MAX_OUTPUT = 8 << 20  # bytes kept of stdout and of stderr each (fetched files ride on stderr: see _fetch_script)
+WORKDIR = "/sandbox"  # where the code and the request's files go, as SandboxFusion's temp dir
+RETRY_AFTER = "1"  # seconds; runs are short, so a full queue drains soon
+
+
+class ServeError(ImageBuilderError):
+    pass
+
+
+@dataclass(frozen=True)
+class Language:
+    """How a language's code runs: written to `file` in the workdir, run with `argv`; offered only when
+    `probe` (a shell test) succeeds in the environment."""
+
+    name: str
+    file: str
+    argv: tuple[str, ...]
+    probe: str
+
+
+# This slice's languages; others (compiled ones: compile_result) come with environments that have them.
+LANGUAGES = (
+    Language("python", "main.py", ("python3", "main.py"), "command -v python3 >/dev/null"),
+    Language("bash", "main.sh", ("/bin/bash", "main.sh"), "test -x /bin/bash"),
+)
+
+
+# --- SandboxFusion's models (sandbox_fusion.models), as plain dataclasses --------------------------
+
+@dataclass
+class CommandRunResult:
+    status: str  # Finished, TimeLimitExceeded, Error
+    execution_time: float | None = None
+    return_code: int | None = None
+    stdout: str | None = None
+    stderr: str | None = None
+
+
+@dataclass
+class RunCodeResponse:
+    status: str  # Success, Failed, SandboxError
+    message: str
+    compile_result: CommandRunResult | None = None
+    run_result: CommandRunResult | None = None
+    files: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class RunCodeRequest:
+    code: str
+    language: str
+    stdin: str | None = None
+    compile_timeout: float = 10.0
+    run_timeout: float = 10.0
+    memory_limit_mb: int | None = None
+    files: dict[str, bytes] = field(default_factory=dict)
+    fetch_files: tuple[str, ...] = ()
+
+
+class BadRequest(ValueError):
+    """The request cannot be read as /run_code's (400)."""
+
+
+def _number(doc: dict, key: str, default: float) -> float:
+    value = doc.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value != value:
+        raise BadRequest(f"{key} must be a positive number of seconds, not {value!r}")
+    return float(value)
+
+
+def _path(name: object, what: str) -> str:
+    if not isinstance(name, str) or not name or "\0" in name:
+        raise BadRequest(f"{what}: a file path must be a non-empty string without NUL, not {name!r}")
+    return name
+
+
+def parse_request(doc: object) -> RunCodeRequest:
+    """The request of a /run_code body (parsed JSON); BadRequest says what is wrong. The language is
+    not checked here: an unknown one is SandboxFusion's SandboxError answer, not a malformed request."""
+    if not isinstance(doc, dict):
+        raise BadRequest("the body must be a JSON object")
+    code, language, stdin = doc.get("code"), doc.get("language"), doc.get("stdin")
+    if not isinstance(code, str):
+        raise BadRequest("code must be a string")
+    if not isinstance(language, str):
+        raise BadRequest("language must be a string")
+    if stdin is not None and not isinstance(stdin, str):
+        raise BadRequest("stdin must be a string or null")
+    memory = doc.get("memory_limit_MB", -1)
+    if memory is None:
+        memory = -1
+    if isinstance(memory, bool) or not isinstance(memory, int):
+        raise BadRequest(f"memory_limit_MB must be an integer (-1: no limit), not {memory!r}")
+    files = doc.get("files") or {}
+    if not isinstance(files, dict):
+        raise BadRequest("files must be an object of path -> base64 content")
+    decoded = {}
+    for name, content in files.items():
+        if content is None:  # the client's model allows null: SandboxFusion skips those
+            continue
+        if not isinstance(content, str):
+            raise BadRequest(f"files[{name!r}] must be a base64 string")
+        try:
+            decoded[_path(name, "files")] = base64.b64decode(content, validate=True)
+        except (binascii.Error, ValueError):
+            raise BadRequest(f"files[{name!r}] is not valid base64") from None
+    fetch = doc.get("fetch_files") or []
+    if not isinstance(fetch, list):
+        raise BadRequest("fetch_files must be a list of paths")
+    return RunCodeRequest(code, language, stdin, _number(doc, "compile_timeout", 10.0),
+                          _number(doc, "run_timeout", 10.0), memory if memory > 0 else None, decoded,
+                          tuple(_path(f, "fetch_files") for f in fetch))
+
+
+# --- running a request ----------------------------------------------------------------------------
+
+def _fetch_script(argv: tuple[str, ...], fetch: tuple[str, ...], nonce: str) -> str:
+    """A shell wrapper that runs the code, then writes each fetched file after a marker line on
+    stderr (the run's only other channel out: its root is gone when the run ends). The marker's nonce is
+    read from a file the wrapper removes first, so the code's own stderr cannot end the section early by
+    accident."""
+    lines = ['G=$(mktemp -d) && mv .ib-serve/nonce "$G"/ && rmdir .ib-serve && read -r N < "$G/nonce" || exit 125',
+             f"{' '.join(map(shlex.quote, argv))}", "rc=$?", "printf '\\n@@ %s files\\n' \"$N\" >&2"]
+    for i, name in enumerate(fetch):
+        q = shlex.quote(name)
+        lines.append(f"if [ -f {q} ]; then printf '{i} ' >&2; base64 < {q} | tr -d '\\n' >&2; "
+                     f"printf '\\n' >&2; fi")
+    lines.append('rm -rf "$G"; exit $rc')
+    return "\n".join(lines) + "\n"
+
+
+def _split_fetched(stderr: bytes, nonce: str, fetch: tuple[str, ...]) -> tuple[bytes, dict[str, str] | None]:
+    """The code's stderr and the fetched files (base64) the wrapper wrote after it; None when the marker
+    never came (the run was stopped first)."""
+    marker = f"\n@@ {nonce} files\n".encode()
+    cut = stderr.rfind(marker)
+    if cut < 0:
+        return stderr, None
+    files = {}
+    for line in stderr[cut + len(marker):].decode("ascii", "replace").splitlines():
+        index, _, content = line.partition(" ")
+        if index.isdigit() and int(index) < len(fetch):
+            files[fetch[int(index)]] = content
+    return stderr[:cut], files
+
+
+def _text(data: bytes) -> str:
+    return data.decode("utf-8", "replace")
+
+
+def answer(request: RunCodeRequest, language: Language, result: RunResult, fetched: dict[str, str] | None,
+           stderr: bytes) -> RunCodeResponse:
+    """SandboxFusion's verdict on a run: Success iff it finished with exit status 0."""
+    if result.timed_out:
+        status, code = "TimeLimitExceeded", None
+    elif result.start_errno is not None:
+        status, code = "Error", result.exit_code
+    else:  # a signal's death as Python's subprocess reports it (SandboxFusion's runner): -N
+        status, code = "Finished", result.exit_code if result.exit_code is not None else -(result.signal or 0)
+    run = CommandRunResult(status, round(result.wall_time, 6), code, _text(result.stdout), _text(stderr))
+    notes = []
+    if result.truncated:
+        notes.append(f"output went over {DEFAULT_MAX_OUTPUT} bytes and was cut")
+    if result.out_of_memory:
+        notes.append(f"out of memory ({request.memory_limit_mb} MB)")
+    if request.fetch_files and fetched is None:
+        notes.append("files were not fetched: the run was stopped before they were read")
+    elif request.fetch_files:
+        notes.extend(f"{name}: no such file" for name in request.fetch_files if name not in fetched)
+    ok = status == "Finished" and code == 0
+    return RunCodeResponse("Success" if ok else "Failed", "; ".join(notes), None, run, fetched or {})
+
+
+class Runner:
+    """Runs /run_code requests in one environment's warm session (thread-safe: the graders share theirs)."""
+
+    def __init__(self, session, languages: dict[str, Language], max_output: int = DEFAULT_MAX_OUTPUT):
+        self.session, self.languages, self.max_output = session, languages, max_output
+
+    @classmethod
+    def probe(cls, session) -> Runner:
+        """The languages the environment has, by one run of each's probe."""
+        found = {}
+        for language in LANGUAGES:
+            result = session.run(RunRequest(("/bin/sh", "-c", language.probe), timeout=30))
+            if result.exit_code == 0:
+                found[language.name] = language
+        return cls(session, found)
+
+    def run(self, request: RunCodeRequest) -> RunCodeResponse:
+        language = self.languages.get(request.language)
+        if language is None:
+            offered = ", ".join(sorted(self.languages)) or "none"
+            return RunCodeResponse("SandboxError", f"language {request.language!r} is not served here "
+                                                   f"(this environment offers: {offered})")
+        files = {**request.files, language.file: request.code.encode()}
+        argv, nonce = language.argv, None
+        if request.fetch_files:
+            nonce = secrets.token_hex(16)
+            files[".ib-serve/nonce"] = f"{nonce}\n".encode()  # `read` fails on a last line without one
+            files[".ib-serve.sh"] = _fetch_script(language.argv, request.fetch_files, nonce).encode()
+            argv = ("/bin/sh", ".ib-serve.sh")
+        try:
+            result = self.session.run(RunRequest(argv, stdin=(request.stdin or "").encode(), files=files,
+                                                 timeout=request.run_timeout, memory_mb=request.memory_limit_mb,
+                                                 max_output=self.max_output, network=False))
+        except ImageBuilderError as exc:
+            return RunCodeResponse("SandboxError", " ".join(str(exc).splitlines()))
+        stderr, fetched = result.stderr, None
+        if nonce is not None:
+            stderr, fetched = _split_fetched(result.stderr, nonce, request.fetch_files)
+        return answer(request, language, result, fetched, stderr)
+
+
+# --- the token ------------------------------------------------------------------------------------
+
+def default_token_file() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "image_builder" / "serve.token"
+
+
+def load_or_create_token(path: Path) -> tuple[str, bool]:
+    """The token in `path`, or a new one written there (0600); and whether it was made. A file that others
+    can read is refused: the token is the only thing between another user of the node and the sandbox."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        token = secrets.token_urlsafe(32)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:  # another server made it meanwhile: use theirs
+            return load_or_create_token(path)
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+        return token, True
+    except OSError as exc:
+        raise ServeError(f"{path}: cannot read the token file ({exc.strerror})") from None
+    with os.fdopen(fd) as f:
+        if os.fstat(f.fileno()).st_mode & 0o077:
+            raise ServeError(f"{path}: other users can read this token file; chmod 600 it (or give another "
+                             "--token-file)")
+        token = f.read().strip()
+    if not token or any(c.isspace() for c in token):
+        raise ServeError(f"{path}: expected one token (no spaces) in the file")
+    return token, False
+
+
+# --- the HTTP app ---------------------------------------------------------------------------------
+
+@dataclass
+class Limits:
+    max_concurrency: int = 4
+    queue: int = 16
+    body_limit: int = DEFAULT_BODY_LIMIT
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def make_app(runner: Runner, token: str | None, limits: Limits = Limits(),
+             log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)):
+    """The Starlette app. `token` None: no authentication (loopback tests only: the CLI asks for --no-token)."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    pool = ThreadPoolExecutor(max_workers=limits.max_concurrency, thread_name_prefix="image-builder-serve")
+    state = {"admitted": 0}  # running or waiting for a worker; only the event loop's thread touches it
+    expected = f"Bearer {token}".encode() if token is not None else None
+
+    def refused(code: int, detail: str, headers: dict | None = None) -> JSONResponse:
+        return JSONResponse({"detail": detail}, status_code=code, headers=headers)
+
+    def authorized(request) -> bool:
+        if expected is None:
+            return True
+        given = request.headers.get("authorization", "").encode("latin-1", "replace")
+        return hmac.compare_digest(given, expected)  # constant time: the token is not guessed a byte at a time
+
+    async def read_body(request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limits.body_limit:
+            raise _TooLarge
+        chunks, size = [], 0
+        async for chunk in request.stream():  # a chunked body has no length to check first
+            size += len(chunk)
+            if size > limits.body_limit:
+                raise _TooLarge
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def run_code(request):
+        if not authorized(request):
+            return refused(401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
+        try:
+            body = await read_body(request)
+        except _TooLarge:
+            return refused(413, f"request body over {limits.body_limit} bytes")
+        try:
+            parsed = parse_request(json.loads(body))
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError and BadRequest are ValueErrors
+            return refused(400, f"not a /run_code request: {exc}")
+        if state["admitted"] >= limits.max_concurrency + limits.queue:
+            return refused(503, f"busy: {limits.max_concurrency} runs and {limits.queue} queued; retry",
+                           {"Retry-After": RETRY_AFTER})
+        state["admitted"] += 1
+        try:
+            response = await asyncio.get_running_loop().run_in_executor(pool, runner.run, parsed)
+        finally:
+            state["admitted"] -= 1
+        return JSONResponse(response.to_json())
+
+    async def health(request):
+        return JSONResponse({"status": "ok", "languages": sorted(runner.languages),
+                             "running_or_queued": state["admitted"],
+                             "max_concurrency": limits.max_concurrency, "queue": limits.queue})
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        pool.shutdown(wait=False, cancel_futures=True)  # queued runs are dropped at shutdown, not started
+
+    app = Starlette(routes=[Route("/run_code", run_code, methods=["POST"]),
+                            Route("/health", health, methods=["GET"])], lifespan=lifespan)
+    return _AccessLog(app, log)
+
+
+class _AccessLog:
+    """One line per request: client, method, path, status, bytes sent, seconds (ASGI middleware, so
+    every answer is logged, the 401s and 413s too)."""
+
+    def __init__(self, app, log: Callable[[str], None]):
+        self.app, self.log = app, log
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, seen = time.monotonic(), {"status": 0, "bytes": 0}
+
+        async def sending(message):
+            if message["type"] == "http.response.start":
+                seen["status"] = message["status"]
+            elif message["type"] == "http.response.body":
+                seen["bytes"] += len(message.get("body", b""))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            client = scope.get("client") or ("-", 0)
+            self.log(f"{client[0]}:{client[1]} {scope['method']} {scope['path']} {seen['status']} "
+                     f"{seen['bytes']}B {time.monotonic() - start:.3f}s")
+
+
+def environment_layers(store, name: str | None) -> tuple[InstanceLayers, str]:
+    """The layers of the store's environment `name` (default: its only one, else the first by name), with
+    WORKDIR as their workdir (made in each run's fresh root), and the name."""
+    environments = store.index.environments
+    if not environments:
+        raise ServeError(f"{store.root} has no environments; build one first")
+    if name is None:
+        name = sorted(environments)[0]
+    env = environments.get(name)
+    if env is None:
+        raise ServeError(f"no environment {name!r} in {store.root} (it has: {', '.join(sorted(environments))})")
+    files = tuple(store.root / f for f in env.files)
+    return InstanceLayers(files[0], files[1:], env.env, WORKDIR, env.digests), name

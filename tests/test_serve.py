@@ -1,0 +1,237 @@
+"""`image-builder serve` for real: the CLI's server over the MBPP store on a free loopback port, called by
+SandboxFusion's own client (sandbox_fusion.run_code) and by plain requests.
+
+The official client sends no Authorization header (it posts with bare `requests.post`), so it runs against a
+server started with --no-token; the token is tested with requests against a server that has one."""
+
+from __future__ import annotations
+
+import base64
+import os
+import socket
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import requests
+
+sandbox_fusion = pytest.importorskip("sandbox_fusion")
+from sandbox_fusion import RunCodeRequest, RunStatus, run_code  # noqa: E402
+from sandbox_fusion.models import CommandRunStatus  # noqa: E402
+
+EXE = Path(os.environ.get("VIRTUAL_ENV", Path(__file__).resolve().parents[1] / ".venv")) / "bin" / "image-builder"
+
+
+@dataclass
+class Server:
+    url: str
+    proc: subprocess.Popen
+    log: Path
+
+    def stop(self) -> str:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        return self.log.read_text()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(store: Path, tmp: Path, *args: str) -> Server:
+    port = _free_port()
+    log = tmp / f"serve-{port}.log"
+    proc = subprocess.Popen([str(EXE), "serve", "--store", str(store), "--port", str(port), *args],
+                            stdout=subprocess.DEVNULL, stderr=open(log, "wb"))
+    server = Server(f"http://127.0.0.1:{port}", proc, log)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"serve exited {proc.returncode}: {log.read_text()}")
+        try:
+            if requests.get(f"{server.url}/health", timeout=2).status_code == 200:
+                return server
+        except requests.ConnectionError:
+            time.sleep(0.2)
+    server.stop()
+    raise AssertionError(f"serve did not answer in 120 s: {log.read_text()}")
+
+
+@pytest.fixture(scope="module")
+def open_server(mbpp_store, tmp_path_factory):
+    server = start(mbpp_store, tmp_path_factory.mktemp("serve"), "--no-token")
+    yield server
+    server.stop()
+
+
+def call(server: Server, **fields):
+    return run_code(RunCodeRequest(**fields), endpoint=server.url, max_attempts=1, client_timeout=60)
+
+
+def test_the_official_client_runs_python(open_server):
+    health = requests.get(f"{open_server.url}/health", timeout=10).json()
+    assert "python" in health["languages"], health
+    r = call(open_server, code="print(1)", language="python")
+    assert r.status == RunStatus.Success and r.message == ""
+    assert r.compile_result is None
+    assert r.run_result.status == CommandRunStatus.Finished and r.run_result.return_code == 0
+    assert r.run_result.stdout == "1\n" and r.run_result.stderr == ""
+    assert 0 < r.run_result.execution_time < 30
+
+
+def test_stdin_and_stderr(open_server):
+    r = call(open_server, code="import sys\nd = sys.stdin.read()\nprint(d.upper(), end='')\nprint('e', file=sys.stderr)",
+             language="python", stdin="abc\ndef\n")
+    assert r.status == RunStatus.Success
+    assert r.run_result.stdout == "ABC\nDEF\n" and r.run_result.stderr == "e\n"
+
+
+def test_a_non_zero_exit_fails_and_exit_zero_passes(open_server):
+    r = call(open_server, code="import sys; print('x'); sys.exit(3)", language="python")
+    assert r.status == RunStatus.Failed
+    assert r.run_result.status == CommandRunStatus.Finished and r.run_result.return_code == 3
+    assert r.run_result.stdout == "x\n"
+    r = call(open_server, code="raise ValueError('boom')", language="python")
+    assert r.status == RunStatus.Failed and r.run_result.return_code == 1 and "ValueError: boom" in r.run_result.stderr
+    # The verdict is the exit status, as SandboxFusion's: this "passes" (the README says to grade otherwise).
+    r = call(open_server, code="import sys; sys.exit(0)\nassert False", language="python")
+    assert r.status == RunStatus.Success
+
+
+def test_a_timeout_is_time_limit_exceeded(open_server):
+    start_ = time.monotonic()
+    r = call(open_server, code="import time\nprint('started', flush=True)\ntime.sleep(60)", language="python",
+             run_timeout=1.5)
+    assert time.monotonic() - start_ < 30
+    assert r.status == RunStatus.Failed
+    assert r.run_result.status == CommandRunStatus.TimeLimitExceeded and r.run_result.return_code is None
+    assert r.run_result.stdout == "started\n"
+
+
+def test_files_in_and_fetched_out(open_server):
+    code = ("data = open('in/data.txt').read()\nopen('out.txt', 'w').write(data * 2)\n"
+            "import sys; print('to stderr', file=sys.stderr)\nopen('/tmp/abs.bin', 'wb').write(bytes(range(256)))")
+    r = call(open_server, code=code, language="python", files={"in/data.txt": base64.b64encode(b"hi\n").decode()},
+             fetch_files=["out.txt", "/tmp/abs.bin", "missing.txt"])
+    assert r.status == RunStatus.Success, r
+    assert base64.b64decode(r.files["out.txt"]) == b"hi\nhi\n"
+    assert base64.b64decode(r.files["/tmp/abs.bin"]) == bytes(range(256))
+    assert "missing.txt" not in r.files and "missing.txt: no such file" in r.message
+    assert r.run_result.stderr == "to stderr\n"  # the fetched files' channel is cut from the code's stderr
+    # Every run has a fresh root: the last run's files are gone.
+    r = call(open_server, code="import os; print(os.path.exists('out.txt'), os.path.exists('in'))", language="python",
+             fetch_files=["out.txt"])
+    assert r.run_result.stdout == "False False\n" and r.files == {}
+
+
+def test_bash_runs_with_bash(open_server):
+    r = call(open_server, code='read x; echo "${x^^}" ${BASH_VERSION:+bash}', language="bash", stdin="yo\n")
+    assert r.status == RunStatus.Success and r.run_result.stdout == "YO bash\n"
+
+
+def test_no_network(open_server):
+    r = call(open_server, code="import socket\ns = socket.socket()\ns.settimeout(3)\ns.connect(('1.1.1.1', 53))",
+             language="python")
+    assert r.status == RunStatus.Failed, r
+    assert "Network is unreachable" in r.run_result.stderr, r.run_result.stderr
+
+
+def test_unknown_language_is_a_sandbox_error(open_server):
+    with pytest.raises(Exception, match="language 'cpp' is not served here"):  # the client raises on SandboxError
+        call(open_server, code="int main(){}", language="cpp")
+    r = requests.post(f"{open_server.url}/run_code", json={"code": "x", "language": "cobol"}, timeout=10)
+    assert r.status_code == 200
+    assert r.json()["status"] == "SandboxError" and "cobol" in r.json()["message"]
+    assert r.json()["run_result"] is None
+
+
+@pytest.mark.parametrize("body, says", [
+    (b"not json", "not a /run_code request"),
+    (b'["code"]', "JSON object"),
+    (b'{"language": "python"}', "code must be a string"),
+    (b'{"code": "1", "language": "python", "run_timeout": -1}', "run_timeout"),
+    (b'{"code": "1", "language": "python", "files": {"a": "!!"}}', "not valid base64"),
+    (b'{"code": "1", "language": "python", "fetch_files": [""]}', "non-empty string"),
+])
+def test_a_malformed_request_is_400_with_the_reason(open_server, body, says):
+    r = requests.post(f"{open_server.url}/run_code", data=body, timeout=10)
+    assert r.status_code == 400 and says in r.json()["detail"]
+
+
+def test_a_body_over_the_limit_is_413(open_server):
+    big = b'{"code": "' + b"#" * (20 << 20) + b'", "language": "python"}'
+    r = requests.post(f"{open_server.url}/run_code", data=big, timeout=60)
+    assert r.status_code == 413
+    # Chunked, without a length to check first: counted as it comes.
+    r = requests.post(f"{open_server.url}/run_code", data=iter([big[i:i + (1 << 20)] for i in range(0, len(big), 1 << 20)]),
+                      timeout=60)
+    assert r.status_code == 413
+    assert requests.get(f"{open_server.url}/health", timeout=10).status_code == 200
+
+
+def test_the_token(mbpp_store, tmp_path):
+    token_file = tmp_path / "cfg" / "token"
+    server = start(mbpp_store, tmp_path, "--token-file", str(token_file))
+    try:
+        assert token_file.stat().st_mode & 0o777 == 0o600
+        token = token_file.read_text().strip()
+        assert len(token) >= 32
+        body = {"code": "print(2)", "language": "python"}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": token}):
+            r = requests.post(f"{server.url}/run_code", json=body, headers=headers, timeout=10)
+            assert r.status_code == 401, headers
+        r = requests.post(f"{server.url}/run_code", json=body, headers={"Authorization": f"Bearer {token}"},
+                          timeout=60)
+        assert r.status_code == 200 and r.json()["run_result"]["stdout"] == "2\n"
+    finally:
+        log = server.stop()
+    assert f"token written to {token_file}" in log
+    # One access line per request: the 401s too.
+    assert log.count("POST /run_code 401") == 3 and log.count("POST /run_code 200") == 1, log
+    # A token file others can read is refused, in one line.
+    token_file.chmod(0o644)
+    r = subprocess.run([str(EXE), "serve", "--store", str(mbpp_store), "--token-file", str(token_file)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "other users can read this token file" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_no_token_only_on_loopback(mbpp_store):
+    r = subprocess.run([str(EXE), "serve", "--store", str(mbpp_store), "--no-token", "--host", "0.0.0.0"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--no-token only with a loopback --host" in r.stderr
+
+
+def test_back_pressure(mbpp_store, tmp_path):
+    server = start(mbpp_store, tmp_path, "--no-token", "--max-concurrency", "2", "--queue", "4")
+    try:
+        body = {"code": "import time; time.sleep(1); print('done')", "language": "python", "run_timeout": 30}
+
+        def one(_):
+            r = requests.post(f"{server.url}/run_code", json=body, timeout=120)
+            return r.status_code, r.headers.get("Retry-After"), r.json()
+
+        began = time.monotonic()
+        with ThreadPoolExecutor(32) as pool:
+            answers = list(pool.map(one, range(32)))
+        took = time.monotonic() - began
+    finally:
+        server.stop()
+    assert len(answers) == 32
+    assert {code for code, _, _ in answers} <= {200, 503}
+    done = [a for a in answers if a[0] == 200]
+    busy = [a for a in answers if a[0] == 503]
+    assert all(r["status"] == "Success" and r["run_result"]["stdout"] == "done\n" for _, _, r in done)
+    assert all(retry == "1" and "busy" in r["detail"] for _, retry, r in busy)
+    # 2 running and 4 waiting are admitted; the rest, arriving meanwhile, are turned away.
+    assert len(done) >= 6 and busy, (len(done), len(busy))
+    # At most 2 at once: the admitted one-second runs took at least half their number in seconds.
+    assert took >= len(done) / 2 * 1.0
