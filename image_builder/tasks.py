@@ -14,6 +14,12 @@ records with those keys, or in CodeContests's layout (`tests`: a list of
 (a mode of `graders.stdio.COMPARE_MODES`), `checker` (Python source of a
 checker, which implies `compare: checker`) and `tolerance` (float mode's).
 
+HumanEval-style records (HumanEval, ImpossibleBench's LiveCodeBench: `prompt`,
+`entry_point`, `test` holding `def check(candidate): ...`) become assert tasks:
+`check_cases` turns check's body into cases the evaluator runs with `candidate`
+bound to the solution's entry point, so the test never runs in the solution's
+process.
+
 JSONL is read a line at a time, each line bounded ($IMAGE_BUILDER_MAX_LINE, 64 MiB
 by default): a longer line stops the read in one line naming the file and line,
 and memory stays bounded by the bound, however long the line.
@@ -21,7 +27,9 @@ and memory stays bounded by the bound, however long the line.
 
 from __future__ import annotations
 
+import ast
 import json
+import keyword
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -80,6 +88,30 @@ class AssertTask:
     original_id: str
     impossible_type: str | None = None
     data_source: str = ""
+    prompt: str = ""  # HumanEval-style tasks: put before an answer that does not define entry_point
+    entry_point: str = ""
+
+    def program(self, solution: str) -> str:
+        """The solution as the candidate's process runs it: HumanEval completions are often only the body
+        of the prompt's function, so an answer that does not define entry_point gets the prompt first."""
+        if not self.prompt or _defines(solution, self.entry_point):
+            return solution
+        return self.prompt + ("" if self.prompt.endswith("\n") else "\n") + solution
+
+
+def _defines(source: str, name: str) -> bool:
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):  # a body-only completion is indented: it does not parse alone
+        return False
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
+            return True
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and node.id == name:
+            return True
+        if isinstance(node, ast.alias) and (node.asname or node.name.split(".")[0]) == name:
+            return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -200,6 +232,9 @@ def task_from_record(record: Any, fallback_id: str) -> Task:
     original_id = str(record.get("task_id", fallback_id))
     impossible_type = record.get("impossible_type")
     task_id = f"{original_id}__{impossible_type}" if impossible_type else original_id
+    if ("test" in record or "entry_point" in record) and not any(
+            k in record for k in ("assert_case", "inputs", "outputs", "tests")):
+        return _check_task(record, task_id, original_id, impossible_type)
     if "tests" in record and not any(k in record for k in ("assert_case", "inputs", "outputs")):
         return _codecontests_task(record, task_id, original_id, impossible_type)
     truth = {k: record[k] for k in ("assert_case", "inputs", "outputs", "fn_name", *COMPARE_KEYS) if k in record}
@@ -219,6 +254,76 @@ def _codecontests_task(record: dict, task_id: str, original_id: str, impossible_
              **{k: record[k] for k in COMPARE_KEYS if k in record}}
     return parse_ground_truth(task_id, truth, data_source=record.get("data_source") or "codecontests",
                               impossible_type=impossible_type, original_id=original_id)
+
+
+def _check_task(record: dict, task_id: str, original_id: str, impossible_type: str | None) -> Task:
+    """A HumanEval-style record: `test` defines check(candidate), `entry_point` names the function under test."""
+    test, entry_point, prompt = record.get("test"), record.get("entry_point"), record.get("prompt") or ""
+    if not isinstance(test, str) or not test.strip():
+        return BadTask(task_id, "test: missing or empty; it must be the source of `def check(candidate): ...`")
+    if not isinstance(entry_point, str) or not entry_point.isidentifier() or keyword.iskeyword(entry_point):
+        return BadTask(task_id, f"entry_point: {entry_point!r} does not name a function")
+    if not isinstance(prompt, str):
+        return BadTask(task_id, "prompt: not a string")
+    try:
+        cases = check_cases(test, entry_point)
+    except ValueError as exc:
+        return BadTask(task_id, str(exc))
+    return AssertTask(task_id, cases, original_id, impossible_type, record.get("data_source") or "", prompt,
+                      entry_point)
+
+
+# Statements of check's body that only set up what its asserts use: with nothing else there, each assert can
+# be a case of its own (the setup before it repeated) and run as it would in check. Anything else (a loop,
+# a call whose effect a later assert may rely on) keeps the body one case.
+_SETUP = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Pass)
+
+
+def check_cases(test: str, entry_point: str) -> tuple[str, ...]:
+    """Assert cases from HumanEval's `def check(candidate): ...`: each assert of check's body one case, or
+    the whole body one case, after the test's other top-level statements (imports, METADATA, helpers);
+    `candidate` is the entry point, which the evaluator binds to a stub of the solution's function.
+    Raises ValueError, in one line naming the field (and the test's line), when the test has no check."""
+    try:
+        module = ast.parse(test)
+    except (SyntaxError, ValueError) as exc:
+        where = f" line {exc.lineno}" if getattr(exc, "lineno", None) else ""
+        raise ValueError(f"test{where}: not Python: {getattr(exc, 'msg', exc)}") from None
+    checks = [n for n in module.body if isinstance(n, ast.FunctionDef) and n.name == "check"]
+    if not checks:
+        raise ValueError("test: no `def check(candidate)` at its top level")
+    check = checks[-1]
+    params = check.args
+    if len(params.args) != 1 or params.vararg or params.kwarg or params.kwonlyargs or check.decorator_list:
+        raise ValueError(f"test line {check.lineno}: check must take one argument, the candidate, and no decorator")
+    # A top-level call of check (a script's `check(f)`) would run the test twice, once on a name of the test.
+    prelude = [n for n in module.body if n is not check and not any(
+        isinstance(m, ast.Name) and m.id == "check" for m in ast.walk(n))]
+    body = check.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # its docstring
+    bind = ast.parse(f"{params.args[0].arg} = {entry_point}").body
+    # HumanEval's `assert True, "This prints if this assert fails"` tests nothing: a case of it would give
+    # any answer a share of the score.
+    asserts = [s for s in body if isinstance(s, ast.Assert)
+               and not (isinstance(s.test, ast.Constant) and s.test.value)]
+    if asserts and all(isinstance(s, (ast.Assert, *_SETUP)) or _pure_assign(s) for s in body):
+        cases = []
+        for a in asserts:
+            setup = [s for s in body[:body.index(a)] if not isinstance(s, ast.Assert)]
+            cases.append(ast.unparse(ast.Module([*prelude, *bind, *setup, a], [])))
+        return tuple(cases)
+    call = ast.parse(f"check({entry_point})").body
+    return (ast.unparse(ast.Module([*prelude, check, *call], [])),)
+
+
+def _pure_assign(stmt: ast.stmt) -> bool:
+    """An assignment to plain names of a value that calls nothing (`xs = [1, 2]`): setup, not a test step."""
+    if not isinstance(stmt, (ast.Assign, ast.AnnAssign)) or stmt.value is None:
+        return False
+    targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+    return all(isinstance(t, ast.Name) for t in targets) and not any(
+        isinstance(n, (ast.Call, ast.NamedExpr, ast.Lambda, ast.Await, ast.Yield)) for n in ast.walk(stmt.value))
 
 
 def _repo_task(record: dict, fallback_id: str) -> Task:

@@ -38,6 +38,7 @@ HEADER = struct.Struct(">I")
 
 
 def grade_asserts(task: AssertTask, solution: str, executor: Executor, options: GradeOptions) -> GradeResult:
+    solution = task.program(solution)
     mode = "strict" if options.strict else "plain"
     evaluator = _Run(executor, RunRequest(
         argv=(options.python, "-S", SIDES_FILE, "evaluator", CASES_FILE, mode),
