@@ -354,11 +354,8 @@ def _layers(store: Path, instance: str | None, env_name: str | None):
     from image_builder.store.store import Store
     st = Store.open(store)
     if env_name:
-        env = st.index.environments.get(env_name)
-        if env is None:
-            raise click.BadParameter(f"no environment {env_name!r} in {store}", param_hint="--env")
-        files = tuple(st.root / f for f in env.files)
-        return InstanceLayers(files[0], files[1:], env.env, "/", env.digests), f"environment {env_name}"
+        from image_builder.serve import environment_layers
+        return environment_layers(st, env_name, workdir="/")[0], f"environment {env_name}"
     r = st.resolve(instance)
     return InstanceLayers(r.env_sif, r.overlays, r.env, r.workdir, r.digests), f"instance {r.id}"
 
@@ -576,6 +573,7 @@ def serve(store, env_name, host, port, token_file, no_token, max_concurrency, qu
     status (SandboxFusion's): grade rewards with compute_score/grade instead.
     """
     import ipaddress
+    import signal
 
     try:
         import uvicorn
@@ -601,6 +599,9 @@ def serve(store, env_name, host, port, token_file, no_token, max_concurrency, qu
         click.echo(f"image-builder serve: token {'written to' if made else 'read from'} {token_file} "
                    "(send it as 'Authorization: Bearer TOKEN')", err=True)
     layers, name = environment_layers(Store.open(store), env_name)
+    # uvicorn re-raises the SIGTERM it stopped on once it is done: end as asked, but through the `with`
+    # below, so the session closes (its mounts let go) rather than the process dying inside uvicorn.run.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with open_session(layers, backend=Backend(backend) if backend else None) as session:
         runner = Runner.probe(session)
         click.echo(f"image-builder serve: environment {name} ({', '.join(sorted(runner.languages)) or 'no languages'})"

@@ -288,6 +288,21 @@ def load_or_create_token(path: Path) -> tuple[str, bool]:
     return token, False
 
 
+def given_token(header: str) -> bytes:
+    """The token an Authorization header carries: `Bearer TOKEN`, or Basic auth whose password is the token
+    (SandboxFusion's client sends no header of its own, but `requests` sends an endpoint URL's
+    `http://x:TOKEN@host:port` as Basic auth). b"" when there is none."""
+    scheme, _, value = header.strip().partition(" ")
+    if scheme.lower() == "bearer":
+        return value.strip().encode("latin-1", "replace")
+    if scheme.lower() == "basic":
+        try:
+            return base64.b64decode(value.strip(), validate=True).partition(b":")[2]
+        except (binascii.Error, ValueError):
+            return b""
+    return b""
+
+
 # --- the HTTP app ---------------------------------------------------------------------------------
 
 @dataclass
@@ -310,16 +325,13 @@ def make_app(runner: Runner, token: str | None, limits: Limits = Limits(),
 
     pool = ThreadPoolExecutor(max_workers=limits.max_concurrency, thread_name_prefix="image-builder-serve")
     state = {"admitted": 0}  # running or waiting for a worker; only the event loop's thread touches it
-    expected = f"Bearer {token}".encode() if token is not None else None
+    secret = token.encode() if token is not None else None
 
     def refused(code: int, detail: str, headers: dict | None = None) -> JSONResponse:
         return JSONResponse({"detail": detail}, status_code=code, headers=headers)
 
     def authorized(request) -> bool:
-        if expected is None:
-            return True
-        given = request.headers.get("authorization", "").encode("latin-1", "replace")
-        return hmac.compare_digest(given, expected)  # constant time: the token is not guessed a byte at a time
+        return secret is None or hmac.compare_digest(given_token(request.headers.get("authorization", "")), secret)
 
     async def read_body(request) -> bytes:
         declared = request.headers.get("content-length")
@@ -335,7 +347,7 @@ def make_app(runner: Runner, token: str | None, limits: Limits = Limits(),
 
     async def run_code(request):
         if not authorized(request):
-            return refused(401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
+            return refused(401, "missing or wrong token (Authorization: Bearer TOKEN)", {"WWW-Authenticate": "Bearer"})
         try:
             body = await read_body(request)
         except _TooLarge:
@@ -396,9 +408,9 @@ class _AccessLog:
                      f"{seen['bytes']}B {time.monotonic() - start:.3f}s")
 
 
-def environment_layers(store, name: str | None) -> tuple[InstanceLayers, str]:
+def environment_layers(store, name: str | None, workdir: str = WORKDIR) -> tuple[InstanceLayers, str]:
     """The layers of the store's environment `name` (default: its only one, else the first by name), with
-    WORKDIR as their workdir (made in each run's fresh root), and the name."""
+    `workdir` as theirs (made in each run's fresh root), and the name (`shell --env` uses this too)."""
     environments = store.index.environments
     if not environments:
         raise ServeError(f"{store.root} has no environments; build one first")
@@ -408,4 +420,4 @@ def environment_layers(store, name: str | None) -> tuple[InstanceLayers, str]:
     if env is None:
         raise ServeError(f"no environment {name!r} in {store.root} (it has: {', '.join(sorted(environments))})")
     files = tuple(store.root / f for f in env.files)
-    return InstanceLayers(files[0], files[1:], env.env, WORKDIR, env.digests), name
+    return InstanceLayers(files[0], files[1:], env.env, workdir, env.digests), name

@@ -1,8 +1,9 @@
 """`image-builder serve` for real: the CLI's server over the MBPP store on a free loopback port, called by
 SandboxFusion's own client (sandbox_fusion.run_code) and by plain requests.
 
-The official client sends no Authorization header (it posts with bare `requests.post`), so it runs against a
-server started with --no-token; the token is tested with requests against a server that has one."""
+The official client sends no Authorization header of its own (it posts with bare `requests.post`): most tests
+run it against a server started with --no-token; test_the_token gives it the token in its endpoint URL
+(`http://x:TOKEN@host:port`, which requests sends as Basic auth) and sends Bearer headers with requests."""
 
 from __future__ import annotations
 
@@ -138,6 +139,21 @@ def test_bash_runs_with_bash(open_server):
     assert r.status == RunStatus.Success and r.run_result.stdout == "YO bash\n"
 
 
+def test_the_memory_limit(open_server):
+    # SandboxFusion's server takes memory_limit_MB; its client's model has no such field: sent with requests.
+    def run(mb):
+        r = requests.post(f"{open_server.url}/run_code", timeout=60, json={
+            "code": "b = b'x' * (400 << 20)\nprint('allocated')", "language": "python", "memory_limit_MB": mb})
+        assert r.status_code == 200
+        return r.json()
+
+    r = run(128)
+    assert r["status"] == "Failed" and "MemoryError" in r["run_result"]["stderr"], r
+    assert "out of memory (128 MB)" in r["message"]
+    r = run(1024)
+    assert r["status"] == "Success" and r["run_result"]["stdout"] == "allocated\n", r
+
+
 def test_no_network(open_server):
     r = call(open_server, code="import socket\ns = socket.socket()\ns.settimeout(3)\ns.connect(('1.1.1.1', 53))",
              language="python")
@@ -189,14 +205,30 @@ def test_the_token(mbpp_store, tmp_path):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": token}):
             r = requests.post(f"{server.url}/run_code", json=body, headers=headers, timeout=10)
             assert r.status_code == 401, headers
+        basic = base64.b64encode(b"anyone:wrong").decode()
+        r = requests.post(f"{server.url}/run_code", json=body, headers={"Authorization": f"Basic {basic}"}, timeout=10)
+        assert r.status_code == 401 and r.headers["WWW-Authenticate"] == "Bearer"
         r = requests.post(f"{server.url}/run_code", json=body, headers={"Authorization": f"Bearer {token}"},
                           timeout=60)
         assert r.status_code == 200 and r.json()["run_result"]["stdout"] == "2\n"
+        # SandboxFusion's client sends no header, but requests turns the endpoint's user:password into Basic auth.
+        host = server.url.removeprefix("http://")
+        r = run_code(RunCodeRequest(code="print(3)", language="python"), endpoint=f"http://client:{token}@{host}",
+                     max_attempts=1, client_timeout=60)
+        assert r.status == RunStatus.Success and r.run_result.stdout == "3\n"
+        with pytest.raises(Exception, match="responded with code 401"):
+            run_code(RunCodeRequest(code="print(3)", language="python"), endpoint=f"http://client:nope@{host}",
+                     max_attempts=1, client_timeout=60)
+        with pytest.raises(Exception, match="responded with code 401"):
+            run_code(RunCodeRequest(code="print(3)", language="python"), endpoint=server.url, max_attempts=1,
+                     client_timeout=60)
     finally:
         log = server.stop()
+    assert server.proc.returncode == 0, log  # SIGTERM: a clean shutdown, the session closed
     assert f"token written to {token_file}" in log
+    assert token not in log  # the access log shows paths, never credentials
     # One access line per request: the 401s too.
-    assert log.count("POST /run_code 401") == 3 and log.count("POST /run_code 200") == 1, log
+    assert log.count("POST /run_code 401") == 6 and log.count("POST /run_code 200") == 2, log
     # A token file others can read is refused, in one line.
     token_file.chmod(0o644)
     r = subprocess.run([str(EXE), "serve", "--store", str(mbpp_store), "--token-file", str(token_file)],
@@ -235,3 +267,11 @@ def test_back_pressure(mbpp_store, tmp_path):
     assert len(done) >= 6 and busy, (len(done), len(busy))
     # At most 2 at once: the admitted one-second runs took at least half their number in seconds.
     assert took >= len(done) / 2 * 1.0
+
+
+@pytest.mark.parametrize("command", [["serve", "--no-token"], ["shell"]])
+def test_an_unknown_environment_is_one_line_naming_the_ones_there(mbpp_store, command):
+    r = subprocess.run([str(EXE), *command, "--store", str(mbpp_store), "--env", "nope"], capture_output=True,
+                       text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == f"Error: no environment 'nope' in {mbpp_store} (it has: mbpp-py311)"
