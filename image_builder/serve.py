@@ -35,7 +35,8 @@ from image_builder.runtime.execution import RunRequest, RunResult
 from image_builder.runtime.session import InstanceLayers
 
 DEFAULT_BODY_LIMIT = 16 << 20
-DEFAULT_MAX_OUTPUT = 8 << 20  # bytes kept of stdout and of stderr each (fetched files ride on stderr: see _fetch_script)
+# Bytes kept of stdout and of stderr each (fetched files ride on stderr: see _fetch_script).
+DEFAULT_MAX_OUTPUT = 8 << 20
 WORKDIR = "/sandbox"  # where the code and the request's files go, as SandboxFusion's temp dir
 RETRY_AFTER = "1"  # seconds; runs are short, so a full queue drains soon
 
@@ -209,6 +210,9 @@ def answer(request: RunCodeRequest, language: Language, result: RunResult, fetch
         notes.append("files were not fetched: the run was stopped before they were read")
     elif request.fetch_files:
         notes.extend(f"{name}: no such file" for name in request.fetch_files if name not in fetched)
+    if status == "Error":  # SandboxFusion's verdict on a command that could not run: the sandbox's fault
+        return RunCodeResponse("SandboxError", f"cannot start {language.argv[0]} in the environment: "
+                                               f"{os.strerror(result.start_errno)}", None, run)
     ok = status == "Finished" and code == 0
     return RunCodeResponse("Success" if ok else "Failed", "; ".join(notes), None, run, fetched or {})
 

@@ -80,7 +80,7 @@ def call(server: Server, **fields):
 
 def test_the_official_client_runs_python(open_server):
     health = requests.get(f"{open_server.url}/health", timeout=10).json()
-    assert "python" in health["languages"], health
+    assert health["languages"] == ["bash", "python"] and health["running_or_queued"] == 0, health
     r = call(open_server, code="print(1)", language="python")
     assert r.status == RunStatus.Success and r.message == ""
     assert r.compile_result is None
@@ -90,8 +90,8 @@ def test_the_official_client_runs_python(open_server):
 
 
 def test_stdin_and_stderr(open_server):
-    r = call(open_server, code="import sys\nd = sys.stdin.read()\nprint(d.upper(), end='')\nprint('e', file=sys.stderr)",
-             language="python", stdin="abc\ndef\n")
+    code = "import sys\nd = sys.stdin.read()\nprint(d.upper(), end='')\nprint('e', file=sys.stderr)"
+    r = call(open_server, code=code, language="python", stdin="abc\ndef\n")
     assert r.status == RunStatus.Success
     assert r.run_result.stdout == "ABC\nDEF\n" and r.run_result.stderr == "e\n"
 
@@ -188,8 +188,8 @@ def test_a_body_over_the_limit_is_413(open_server):
     r = requests.post(f"{open_server.url}/run_code", data=big, timeout=60)
     assert r.status_code == 413
     # Chunked, without a length to check first: counted as it comes.
-    r = requests.post(f"{open_server.url}/run_code", data=iter([big[i:i + (1 << 20)] for i in range(0, len(big), 1 << 20)]),
-                      timeout=60)
+    chunks = iter([big[i:i + (1 << 20)] for i in range(0, len(big), 1 << 20)])
+    r = requests.post(f"{open_server.url}/run_code", data=chunks, timeout=60)
     assert r.status_code == 413
     assert requests.get(f"{open_server.url}/health", timeout=10).status_code == 200
 
