@@ -157,13 +157,29 @@ def parse_request(doc: object) -> RunCodeRequest:
 
 # --- running a request ----------------------------------------------------------------------------
 
-def _fetch_script(argv: tuple[str, ...], fetch: tuple[str, ...], nonce: str) -> str:
+# Seconds the whole run gets past run_timeout when files are fetched: the wrapper's own timer stops the code
+# at run_timeout, then reads the files (SandboxFusion fetches them after a timeout too).
+FETCH_GRACE = 30.0
+
+
+def _fetch_script(argv: tuple[str, ...], fetch: tuple[str, ...], nonce: str, timeout: float | None) -> str:
     """A shell wrapper that runs the code, then writes each fetched file after a marker line on
     stderr (the run's only other channel out: its root is gone when the run ends). The marker's nonce is
     read from a file the wrapper removes first, so the code's own stderr cannot end the section early by
-    accident."""
-    lines = ['G=$(mktemp -d) && mv .ib-serve/nonce "$G"/ && rmdir .ib-serve && read -r N < "$G/nonce" || exit 125',
-             f"{' '.join(map(shlex.quote, argv))}", "rc=$?", "printf '\\n@@ %s files\\n' \"$N\" >&2"]
+    accident. With `timeout` (the environment has setsid), the code runs in a session of its own that a
+    timer kills at the timeout, so the files are fetched after a timeout too."""
+    lines = ['G=$(mktemp -d) && mv .ib-serve/nonce "$G"/ && rmdir .ib-serve && read -r N < "$G/nonce" || exit 125']
+    code = " ".join(map(shlex.quote, argv))
+    if timeout is None:
+        lines += [code, "rc=$?"]
+    else:
+        # A background list's stdin is /dev/null unless given: fd 3 hands the run's stdin on. setsid in a
+        # process that leads no group execs in place, so $! is the code's process group (and the timer's).
+        lines += ["exec 3<&0", f"setsid {code} <&3 3<&- &", "p=$!",
+                  f"setsid sh -c 'sleep \"$1\" && kill -KILL -\"$2\" && : > \"$3/tle\"' timer {timeout:.3f} "
+                  '"$p" "$G" </dev/null >/dev/null 2>&1 &', "t=$!",
+                  "wait $p", "rc=$?", "kill -KILL -$t 2>/dev/null"]
+    lines += ["printf '\\n@@ %s files\\n' \"$N\" >&2", 'if [ -e "$G/tle" ]; then echo tle >&2; fi']
     for i, name in enumerate(fetch):
         q = shlex.quote(name)
         lines.append(f"if [ -f {q} ]; then printf '{i} ' >&2; base64 < {q} | tr -d '\\n' >&2; "
@@ -172,29 +188,39 @@ def _fetch_script(argv: tuple[str, ...], fetch: tuple[str, ...], nonce: str) -> 
     return "\n".join(lines) + "\n"
 
 
-def _split_fetched(stderr: bytes, nonce: str, fetch: tuple[str, ...]) -> tuple[bytes, dict[str, str] | None]:
-    """The code's stderr and the fetched files (base64) the wrapper wrote after it; None when the marker
-    never came (the run was stopped first)."""
+@dataclass
+class Fetched:
+    """What the wrapper wrote after the code's stderr."""
+
+    files: dict[str, str]  # path as asked -> base64
+    timed_out: bool  # its timer stopped the code
+
+
+def _split_fetched(stderr: bytes, nonce: str, fetch: tuple[str, ...]) -> tuple[bytes, Fetched | None]:
+    """The code's stderr and what the wrapper wrote after it; None when the marker never came (the run
+    was stopped first)."""
     marker = f"\n@@ {nonce} files\n".encode()
     cut = stderr.rfind(marker)
     if cut < 0:
         return stderr, None
-    files = {}
+    fetched = Fetched({}, False)
     for line in stderr[cut + len(marker):].decode("ascii", "replace").splitlines():
         index, _, content = line.partition(" ")
-        if index.isdigit() and int(index) < len(fetch):
-            files[fetch[int(index)]] = content
-    return stderr[:cut], files
+        if line == "tle":
+            fetched.timed_out = True
+        elif index.isdigit() and int(index) < len(fetch):
+            fetched.files[fetch[int(index)]] = content
+    return stderr[:cut], fetched
 
 
 def _text(data: bytes) -> str:
     return data.decode("utf-8", "replace")
 
 
-def answer(request: RunCodeRequest, language: Language, result: RunResult, fetched: dict[str, str] | None,
+def answer(request: RunCodeRequest, language: Language, result: RunResult, fetched: Fetched | None,
            stderr: bytes) -> RunCodeResponse:
     """SandboxFusion's verdict on a run: Success iff it finished with exit status 0."""
-    if result.timed_out:
+    if result.timed_out or (fetched is not None and fetched.timed_out):
         status, code = "TimeLimitExceeded", None
     elif result.start_errno is not None:
         status, code = "Error", result.exit_code
@@ -209,29 +235,31 @@ def answer(request: RunCodeRequest, language: Language, result: RunResult, fetch
     if request.fetch_files and fetched is None:
         notes.append("files were not fetched: the run was stopped before they were read")
     elif request.fetch_files:
-        notes.extend(f"{name}: no such file" for name in request.fetch_files if name not in fetched)
+        notes.extend(f"{name}: no such file" for name in request.fetch_files if name not in fetched.files)
     if status == "Error":  # SandboxFusion's verdict on a command that could not run: the sandbox's fault
         return RunCodeResponse("SandboxError", f"cannot start {language.argv[0]} in the environment: "
                                                f"{os.strerror(result.start_errno)}", None, run)
     ok = status == "Finished" and code == 0
-    return RunCodeResponse("Success" if ok else "Failed", "; ".join(notes), None, run, fetched or {})
+    return RunCodeResponse("Success" if ok else "Failed", "; ".join(notes), None, run,
+                           fetched.files if fetched else {})
 
 
 class Runner:
     """Runs /run_code requests in one environment's warm session (thread-safe: the graders share theirs)."""
 
-    def __init__(self, session, languages: dict[str, Language], max_output: int = DEFAULT_MAX_OUTPUT):
-        self.session, self.languages, self.max_output = session, languages, max_output
+    def __init__(self, session, languages: dict[str, Language], has_setsid: bool,
+                 max_output: int = DEFAULT_MAX_OUTPUT):
+        self.session, self.languages, self.has_setsid, self.max_output = session, languages, has_setsid, max_output
 
     @classmethod
     def probe(cls, session) -> Runner:
-        """The languages the environment has, by one run of each's probe."""
-        found = {}
-        for language in LANGUAGES:
-            result = session.run(RunRequest(("/bin/sh", "-c", language.probe), timeout=30))
-            if result.exit_code == 0:
-                found[language.name] = language
-        return cls(session, found)
+        """The languages the environment has, by one run of each's probe, and whether it has setsid
+        (_fetch_script's timer)."""
+        def has(test: str) -> bool:
+            return session.run(RunRequest(("/bin/sh", "-c", test), timeout=30)).exit_code == 0
+
+        return cls(session, {lang.name: lang for lang in LANGUAGES if has(lang.probe)},
+                   has("command -v setsid >/dev/null"))
 
     def run(self, request: RunCodeRequest) -> RunCodeResponse:
         language = self.languages.get(request.language)
@@ -240,15 +268,17 @@ class Runner:
             return RunCodeResponse("SandboxError", f"language {request.language!r} is not served here "
                                                    f"(this environment offers: {offered})")
         files = {**request.files, language.file: request.code.encode()}
-        argv, nonce = language.argv, None
+        argv, nonce, timeout = language.argv, None, request.run_timeout
         if request.fetch_files:
             nonce = secrets.token_hex(16)
             files[".ib-serve/nonce"] = f"{nonce}\n".encode()  # `read` fails on a last line without one
-            files[".ib-serve.sh"] = _fetch_script(language.argv, request.fetch_files, nonce).encode()
+            timer = request.run_timeout if self.has_setsid else None
+            files[".ib-serve.sh"] = _fetch_script(language.argv, request.fetch_files, nonce, timer).encode()
             argv = ("/bin/sh", ".ib-serve.sh")
+            timeout += FETCH_GRACE if timer else 0
         try:
             result = self.session.run(RunRequest(argv, stdin=(request.stdin or "").encode(), files=files,
-                                                 timeout=request.run_timeout, memory_mb=request.memory_limit_mb,
+                                                 timeout=timeout, memory_mb=request.memory_limit_mb,
                                                  max_output=self.max_output, network=False))
         except ImageBuilderError as exc:
             return RunCodeResponse("SandboxError", " ".join(str(exc).splitlines()))

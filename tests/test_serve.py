@@ -116,14 +116,25 @@ def test_a_timeout_is_time_limit_exceeded(open_server):
     assert r.status == RunStatus.Failed
     assert r.run_result.status == CommandRunStatus.TimeLimitExceeded and r.run_result.return_code is None
     assert r.run_result.stdout == "started\n"
+    # Files are fetched after a timeout too, as SandboxFusion's are; a child the code started holds nothing open.
+    code = ("import subprocess, time\nopen('partial.txt', 'w').write('so far')\n"
+            "subprocess.Popen(['sleep', '600'])\ntime.sleep(60)")
+    start_ = time.monotonic()
+    r = call(open_server, code=code, language="python", run_timeout=1.5, fetch_files=["partial.txt"])
+    assert time.monotonic() - start_ < 30
+    assert r.status == RunStatus.Failed and r.run_result.status == CommandRunStatus.TimeLimitExceeded, r
+    assert r.run_result.return_code is None
+    assert base64.b64decode(r.files["partial.txt"]) == b"so far"
 
 
 def test_files_in_and_fetched_out(open_server):
     code = ("data = open('in/data.txt').read()\nopen('out.txt', 'w').write(data * 2)\n"
             "import sys; print('to stderr', file=sys.stderr)\nopen('/tmp/abs.bin', 'wb').write(bytes(range(256)))")
+    code += "\nimport sys; print(sys.stdin.read().upper(), end='')"
     r = call(open_server, code=code, language="python", files={"in/data.txt": base64.b64encode(b"hi\n").decode()},
-             fetch_files=["out.txt", "/tmp/abs.bin", "missing.txt"])
+             fetch_files=["out.txt", "/tmp/abs.bin", "missing.txt"], stdin="given\n")
     assert r.status == RunStatus.Success, r
+    assert r.run_result.stdout == "GIVEN\n"  # stdin reaches the code through the fetching wrapper
     assert base64.b64decode(r.files["out.txt"]) == b"hi\nhi\n"
     assert base64.b64decode(r.files["/tmp/abs.bin"]) == bytes(range(256))
     assert "missing.txt" not in r.files and "missing.txt: no such file" in r.message
