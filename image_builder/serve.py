@@ -168,7 +168,8 @@ def _fetch_script(argv: tuple[str, ...], fetch: tuple[str, ...], nonce: str, tim
     read from a file the wrapper removes first, so the code's own stderr cannot end the section early by
     accident. With `timeout` (the environment has setsid), the code runs in a session of its own that a
     timer kills at the timeout, so the files are fetched after a timeout too."""
-    lines = ['G=$(mktemp -d) && mv .ib-serve/nonce "$G"/ && rmdir .ib-serve && read -r N < "$G/nonce" || exit 125']
+    # The script's own file goes too (sh keeps it open): the code sees only its files in the workdir.
+    lines = ['G=$(mktemp -d) && mv .ib-serve/nonce "$G"/ && rm -r .ib-serve && read -r N < "$G/nonce" || exit 125']
     code = " ".join(map(shlex.quote, argv))
     if timeout is None:
         lines += [code, "rc=$?"]
@@ -273,8 +274,8 @@ class Runner:
             nonce = secrets.token_hex(16)
             files[".ib-serve/nonce"] = f"{nonce}\n".encode()  # `read` fails on a last line without one
             timer = request.run_timeout if self.has_setsid else None
-            files[".ib-serve.sh"] = _fetch_script(language.argv, request.fetch_files, nonce, timer).encode()
-            argv = ("/bin/sh", ".ib-serve.sh")
+            files[".ib-serve/run.sh"] = _fetch_script(language.argv, request.fetch_files, nonce, timer).encode()
+            argv = ("/bin/sh", ".ib-serve/run.sh")
             timeout += FETCH_GRACE if timer else 0
         try:
             result = self.session.run(RunRequest(argv, stdin=(request.stdin or "").encode(), files=files,

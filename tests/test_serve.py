@@ -130,11 +130,12 @@ def test_a_timeout_is_time_limit_exceeded(open_server):
 def test_files_in_and_fetched_out(open_server):
     code = ("data = open('in/data.txt').read()\nopen('out.txt', 'w').write(data * 2)\n"
             "import sys; print('to stderr', file=sys.stderr)\nopen('/tmp/abs.bin', 'wb').write(bytes(range(256)))")
-    code += "\nimport sys; print(sys.stdin.read().upper(), end='')"
+    code += "\nimport sys, os; print(sys.stdin.read().upper(), sorted(os.listdir('.')), end='')"
     r = call(open_server, code=code, language="python", files={"in/data.txt": base64.b64encode(b"hi\n").decode()},
              fetch_files=["out.txt", "/tmp/abs.bin", "missing.txt"], stdin="given\n")
     assert r.status == RunStatus.Success, r
-    assert r.run_result.stdout == "GIVEN\n"  # stdin reaches the code through the fetching wrapper
+    # stdin reaches the code through the fetching wrapper, which leaves nothing of its own in the workdir.
+    assert r.run_result.stdout == "GIVEN\n ['in', 'main.py', 'out.txt']"
     assert base64.b64decode(r.files["out.txt"]) == b"hi\nhi\n"
     assert base64.b64decode(r.files["/tmp/abs.bin"]) == bytes(range(256))
     assert "missing.txt" not in r.files and "missing.txt: no such file" in r.message
