@@ -287,3 +287,27 @@ def test_an_unknown_environment_is_one_line_naming_the_ones_there(mbpp_store, co
                        text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert r.stderr.strip() == f"Error: no environment 'nope' in {mbpp_store} (it has: mbpp-py311)"
+
+
+@pytest.mark.parametrize("name, status, says", [
+    ("/proc/self/x", "SandboxError", "cannot write /proc/self/x"),
+    ("d/", "SandboxError", "cannot write /sandbox/d/: Is a directory"),
+    (".", "SandboxError", "cannot write /sandbox/.: Is a directory"),
+    ("/", "SandboxError", "cannot write /: Is a directory"),
+    ("a" * 300, "SandboxError", "cannot write /sandbox/aaaa"),
+    ("../../../../../x", "Success", ""),  # the run's own root: /x in its throwaway layer
+    ("main.py", "Success", ""),  # the code wins over a file of its name
+    ("x\nnewline", "Success", ""),
+])
+def test_odd_file_names_answer_without_breaking_the_server(open_server, name, status, says):
+    r = requests.post(f"{open_server.url}/run_code", timeout=60, json={
+        "code": "print('ran')", "language": "python", "files": {name: base64.b64encode(b"data").decode()},
+        "fetch_files": [name]})
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["status"] == status and says in answer["message"], answer
+    if status == "Success":
+        assert answer["run_result"]["stdout"] == "ran\n"
+        if name != "main.py":
+            assert base64.b64decode(answer["files"][name]) == b"data"
+    assert requests.get(f"{open_server.url}/health", timeout=10).status_code == 200
