@@ -397,6 +397,9 @@ def make_app(runner: Runner, token: str | None, limits: Limits = Limits(),
         state["admitted"] += 1
         try:
             response = await asyncio.get_running_loop().run_in_executor(pool, runner.run, parsed)
+        except Exception as exc:  # a fault of ours (the runtime's expected ones are answered in Runner.run)
+            log(f"run failed: {type(exc).__name__}: {' '.join(str(exc).splitlines())}")
+            response = RunCodeResponse("SandboxError", f"the sandbox failed: {type(exc).__name__}: {exc}")
         finally:
             state["admitted"] -= 1
         return JSONResponse(response.to_json())
