@@ -61,8 +61,10 @@ JOBS ?= 2
 test: setup
 	$(PY) -m pytest tests -m "not shared_data" -n $(JOBS) --dist loadgroup $(PYTEST_ARGS)
 
+SHARED_DATA = $(or $(IMAGE_BUILDER_SHARED_DATA),../shared/data)
 test-shared: setup
-	$(PY) -m pytest tests -m shared_data -n $(JOBS) --dist loadgroup $(PYTEST_ARGS)
+	@[ -d "$(SHARED_DATA)" ] || { echo "make test-shared: the shared sample data is expected in $(SHARED_DATA) (set IMAGE_BUILDER_SHARED_DATA to its data/ folder)"; exit 2; }
+	IMAGE_BUILDER_SHARED_DATA=$(abspath $(SHARED_DATA)) $(PY) -m pytest tests -m shared_data -n $(JOBS) --dist loadgroup $(PYTEST_ARGS)
 
 demo: setup
 	$(PY) -m image_builder.devtools.demo

@@ -90,6 +90,7 @@ SHARED_BUILDS = {"marshmallow_store": "marshmallow", "public_store": "marshmallo
                  "slurm_cluster": "slurm"}
 
 
+@pytest.hookimpl(trylast=True)  # after -m has deselected: `make test` leaves the shared_data tests out
 def pytest_collection_modifyitems(config, items):
     for item in items:
         group = next((SHARED_BUILDS[f] for f in getattr(item, "fixturenames", ()) if f in SHARED_BUILDS),
