@@ -391,6 +391,12 @@ def test_a_forked_child_opens_its_own_sessions(store_env):
         finally:
             os._exit(0)
     lock.release()
+    report = child_report(pid, read, write)
+    assert report == [True, True, {"score": 1.0, "all_passed": 1.0, "graded": 1.0}]
+
+
+def child_report(pid: int, read: int, write: int):
+    """What the forked child `pid` wrote (JSON) on the pipe, or "the child hung" after 30 s (then killed)."""
     os.close(write)
     with os.fdopen(read) as f:
         ready, _, _ = select.select([f], [], [], 30)
@@ -398,7 +404,7 @@ def test_a_forked_child_opens_its_own_sessions(store_env):
     if not ready:
         os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
-    assert report == [True, True, {"score": 1.0, "all_passed": 1.0, "graded": 1.0}]
+    return report
 
 
 def test_a_forked_child_leaves_set_executor_to_its_parent(store_env):
@@ -427,13 +433,7 @@ def test_a_forked_child_leaves_set_executor_to_its_parent(store_env):
                     os.write(write, json.dumps(report).encode())
                 finally:
                     os._exit(0)
-            os.close(write)
-            with os.fdopen(read) as f:
-                ready, _, _ = select.select([f], [], [], 30)
-                report = json.loads(f.read() or "null") if ready else "the child hung"
-            if not ready:
-                os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+            report = child_report(pid, read, write)
         finally:
             rewards.set_executor(None)
     assert report == [True, f"no executor for reward scoring: set {rewards.STORE_ENV} to the image store (the "
