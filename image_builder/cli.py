@@ -673,7 +673,9 @@ predictions_option = click.option("--predictions", type=click.Path(exists=True, 
 @predictions_option
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=Path("results.jsonl"),
               show_default=True, help="Results, one JSON line per task; a rerun resumes it. Its summary goes "
-              "beside it (results.summary.json).")
+              "beside it (results.summary.json), and for SWE-bench tasks SWE-bench's run report "
+              "(results.swebench.json) and per-instance reports (results.swebench/<instance_id>/report.json); "
+              "`image-builder results swebench` writes them from an existing results file.")
 @click.option("--shard", metavar="K/N", help="Grade the K-th of N slices (K from 0), whole instances at a time; "
               "`image-builder results merge` joins the slices' files.")
 @click.option("--overwrite", is_flag=True, help="Grade afresh: remove OUTPUT (its summary and artifacts) first, "
@@ -707,7 +709,23 @@ def grade(store, tasks, predictions, output, shard, overwrite, jobs, timeout, me
         options = replace(_grade_options(timeout, memory, strict, access), compare=compare, repo_network=net)
         grade_to_file(task_list, preds, executors, output, options=options, workers=jobs, on_result=progress)
     wanted = {p.task_id for p in preds}
-    _print_grades(write_summary((r for r in read_results(output) if r.task_id in wanted), output), output)
+    graded = [r for r in read_results(output) if r.task_id in wanted]
+    _print_grades(write_summary(graded, output), output)
+    _write_swebench(graded, output, _repo_ids(task_list))
+
+
+def _repo_ids(tasks) -> list[str]:
+    from image_builder.tasks import RepoTask
+    return [t.task_id for t in tasks if isinstance(t, RepoTask)]
+
+
+def _write_swebench(results, output: Path, dataset_ids=None) -> None:
+    from image_builder.graders.swebench_report import report_dir, run_report_path, write_swebench_reports
+    reports = write_swebench_reports(results, output, dataset_ids)
+    if reports is not None:
+        run = reports.run
+        click.echo(f"SWE-bench reports: {run_report_path(output)} ({run.resolved_instances} resolved of "
+                   f"{run.submitted_instances} submitted), {report_dir(output)}/<instance_id>/report.json")
 
 
 def _print_grades(summary, output: Path) -> None:
@@ -755,6 +773,21 @@ def results_merge(parts, predictions, output):
     from image_builder.graders import load_predictions
     from image_builder.graders.grading import merge_results
     _print_grades(merge_results(parts, load_predictions(predictions), output), output)
+
+
+@results_group.command(name="swebench")
+@click.argument("results", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--tasks", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The run's tasks: its total and incomplete instances (default: the instances RESULTS holds).")
+@_one_line_errors
+def results_swebench(results, tasks):
+    """Write SWE-bench's reports from RESULTS, as its harness writes them, to diff with the official run's:
+    RESULTS.swebench/<instance_id>/report.json (get_eval_report's) and RESULTS.swebench.json
+    (make_run_report's). `grade` writes them too."""
+    from image_builder.graders import load_tasks
+    from image_builder.graders.grading import read_results
+    dataset = _repo_ids(load_tasks(tasks)) if tasks else None
+    _write_swebench(read_results(results), results, dataset)
 
 
 class _Progress:

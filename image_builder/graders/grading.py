@@ -171,9 +171,11 @@ def resumable(output: Path, predictions: list[Prediction]) -> set[str]:
 
 
 def discard_results(output: Path) -> None:
-    """A results file and what belongs to it (summary, artifacts), for grading afresh into the same name."""
+    """A results file and what belongs to it (summary, artifacts, SWE-bench reports), for grading afresh into
+    the same name."""
     from image_builder.store.store import remove_tree
-    for path in (output, summary_path(output), artifacts_root(output)):
+    from .swebench_report import report_dir, run_report_path
+    for path in (output, summary_path(output), artifacts_root(output), report_dir(output), run_report_path(output)):
         remove_tree(path)
 
 
