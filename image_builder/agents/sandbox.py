@@ -28,7 +28,8 @@ no verdict (graders/access.py); the mode decides what the agent sees and hears.
 
 score() grades the current diff in a fresh instance (graders.grade on a new
 session of the same layers): nothing the agent left running in its sandbox, nor any
-file it left there, takes part. Up to `max_scores` times, each with the feedback
+file it left there, takes part. Up to `max_scores` times (score(final=True), the
+harness's own grading once the agent stopped, is not counted), each with the feedback
 text the grader gives that mode. A candidate scoring cannot take (solution.py not a
 regular file, a symlink, over MAX_SUBMISSION bytes or not UTF-8; a diff git cannot take,
 or one adding more than MAX_SUBMISSION bytes) is a failed score whose result says why
@@ -227,20 +228,25 @@ class AgentSandbox(Sandbox):
         except UnicodeDecodeError as e:
             return None, f"{SOLUTION_FILE} is not UTF-8 text (byte {e.start}): nothing was graded"
 
-    def score(self, options: GradeOptions | None = None, *, in_place: bool = False) -> AgentScore:
+    def score(self, options: GradeOptions | None = None, *, in_place: bool = False,
+              final: bool = False) -> AgentScore:
         """Grade the current diff (function and program tasks: solution.py) in a fresh
         instance, in the sandbox's access mode; `in_place`: in this sandbox (the module
         docstring says what that lets in). A candidate that cannot be taken is a failed
-        score, its result's reason saying why."""
+        score, its result's reason saying why. `final`: the harness's own grading once the
+        agent has stopped (Inspect's scorer); it is no submission of the agent's, so it
+        neither counts against max_scores nor is refused when the agent spent them."""
         if self.task is None:
             raise RunnerError(f"{self.instance.id}: this sandbox was opened without a task; there is nothing to "
                               "score against")
         if in_place and self.access is TestAccess.HIDDEN:
             raise RunnerError(f"{self.instance.id}: hidden tests are scored out of the agent's reach; scoring in "
                               "place would bring them into its sandbox (score without in_place)")
-        if self.max_scores is not None and self.scores >= self.max_scores:
-            raise RunnerError(f"{self.instance.id}: already scored {self.scores} times, the most this sandbox allows")
-        self.scores += 1
+        if not final:
+            if self.max_scores is not None and self.scores >= self.max_scores:
+                raise RunnerError(f"{self.instance.id}: already scored {self.scores} times, the most this sandbox "
+                                  "allows")
+            self.scores += 1
         repo = isinstance(self.task, RepoTask)
         submission, refused = self._take_diff() if repo else self._read_solution()
         if submission is None:
