@@ -11,7 +11,8 @@ The sub-packages are the pipeline; each may import the ones before it, never one
     build/    catalogs and datasets into environments and instances (the build sandbox)
     graders/  grade candidates in instances: asserts, stdio, SWE-bench; grading, rewards
     devtools/ the demo, a local registry, debootstrap bases (not on any run path)
-    cli, slurm  on top: the command line and job arrays
+    cli, slurm  on top: the command line and job arrays (entry: the console script, `run` on a
+                fast path through cli_run that imports no click)
 
 tests/test_layout.py keeps this true.
 """

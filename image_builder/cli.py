@@ -1,7 +1,9 @@
 """The `image-builder` command: a thin click layer over the Python API.
 
 Each command imports what it needs when it runs, so a command that starts
-often (running a grader) does not pay for the registry client or rich.
+often (running a grader) does not pay for the registry client or rich. The
+console script is image_builder.entry: `run` with valid options goes through
+cli_run without importing click at all; everything else comes here.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 import click
 
 from image_builder import __version__
+from image_builder.cli_run import CAPPED as _CAPPED  # run's status past --max-output (124 is the timeout's)
 from image_builder.errors import ImageBuilderError
 
 
@@ -350,25 +353,16 @@ runtime_backend_option = click.option("--backend", type=click.Choice(["kernel", 
 
 def _layers(store: Path, instance: str | None, env_name: str | None):
     """The runtime's layers for an instance, or for an environment alone (--env)."""
-    from image_builder.runtime.session import InstanceLayers
-    from image_builder.store.store import Store
-    st = Store.open(store)
-    if env_name:
-        from image_builder.serve import environment_layers
-        return environment_layers(st, env_name, workdir="/")[0], f"environment {env_name}"
-    r = st.resolve(instance)
-    return InstanceLayers(r.env_sif, r.overlays, r.env, r.workdir, r.digests), f"instance {r.id}"
+    from image_builder.cli_run import layers
+    return layers(store, instance, env_name)
 
 
 def _binds(values: tuple[str, ...]):
-    from image_builder.runtime.execution import Bind
-    binds = []
-    for v in values:
-        parts = v.split(":")
-        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ("ro", "rw")) or not parts[1].startswith("/"):
-            raise click.BadParameter(f"{v!r}: expected SRC:/DEST[:ro|rw]", param_hint="--bind")
-        binds.append(Bind(Path(parts[0]).resolve(), parts[1], readonly=len(parts) == 2 or parts[2] == "ro"))
-    return tuple(binds)
+    from image_builder.cli_run import BadBind, binds
+    try:
+        return binds(values)
+    except BadBind as e:
+        raise click.BadParameter(f"{e.args[0]!r}: expected SRC:/DEST[:ro|rw]", param_hint="--bind") from None
 
 
 class _Size(click.ParamType):
@@ -377,20 +371,11 @@ class _Size(click.ParamType):
     name = "size"
 
     def convert(self, value, param, ctx):
-        if isinstance(value, int):
-            return value
-        text = str(value).strip().upper().removesuffix("B")
-        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        try:
-            n = int(text[:-1] if scale > 1 else text) * scale
-        except ValueError:
-            n = -1
-        if n < 0:
+        from image_builder.cli_run import parse_size
+        n = parse_size(value)
+        if n is None:
             self.fail(f"{value!r}: expected a byte count such as 1048576, 64K, 10M or 1G", param, ctx)
         return n
-
-
-_CAPPED = 125  # run's exit status when the output went over --max-output (124 is the timeout's)
 
 
 @main.command(context_settings={"allow_interspersed_args": False})
@@ -425,67 +410,25 @@ def run(instance, command, store, timeout, memory, net, binds, env_vars, workdir
     --timeout stopped it; 125 when its output went over --max-output. With
     --json the record tells: 0, or 125 over --max-output.
     """
-    import os
-
-    from image_builder.runtime.backends import open_session
-    from image_builder.runtime.execution import RunRequest
-    from image_builder.runtime.session import Backend, OutputCapped
-    if command and command[0] == "--":  # options stop at INSTANCE, so click passes `--` on
-        command = command[1:]
-    layers, _ = _layers(store, instance, None)
-    if not command:
-        from image_builder.store.store import Store
-        command = Store.open(store).resolve(instance).command
-    if not command:
-        raise click.UsageError(f"name the COMMAND to run ({instance} has no default command)")
-    env = dict(v.split("=", 1) for v in env_vars if "=" in v)
-    request = RunRequest(tuple(command), env=env, workdir=workdir, timeout=timeout, memory_mb=memory,
-                         network=net, max_output=max_output)
-    sinks = (1, 2)
-    if as_json:
-        import tempfile
-        out_dir = output_dir or Path(tempfile.mkdtemp(prefix="image-builder-run-"))
-        out_dir.mkdir(parents=True, exist_ok=True)
-        sinks = tuple(os.open(out_dir / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                              0o644) for name in ("stdout", "stderr"))
-    result = capped = None
+    from image_builder import cli_run  # the body, shared with the fast path (image_builder.entry)
     try:
-        # linger: the next `run` of this instance, a fresh process, finds the layers still mounted
-        with open_session(layers, backend=Backend(backend) if backend else None, binds=_binds(binds),
-                          linger=60.0) as session:
-            try:
-                result = session.stream(request, stdin=0, stdout=sinks[0], stderr=sinks[1])
-            except OutputCapped as e:
-                capped = e
-    except BrokenPipeError:  # our reader left (`run ... | head`): end as a pipeline's writer does
-        sys.exit(141)
-    if capped:
-        _say_capped(capped)
-    if as_json:
-        for fd in sinks:
-            os.close(fd)
-        fields = ("exit_code", "signal", "timed_out", "out_of_memory", "wall_time", "peak_memory_kb")
-        record = {"instance": instance, **{f: getattr(result, f, None) for f in fields},
-                  "truncated": capped is not None,
-                  "stdout": str(out_dir / "stdout"), "stderr": str(out_dir / "stderr")}
-        click.echo(json.dumps(record, indent=2))
-        sys.exit(_CAPPED if capped else 0)
-    if capped:
-        sys.exit(_CAPPED)
-    _exit_as(result, timeout)
+        cli_run.run(instance, command, store, timeout, memory, net, binds, env_vars, workdir, backend, max_output,
+                    as_json, output_dir)
+    except cli_run.BadBind as e:
+        _binds((e.args[0],))
+    except cli_run.NoCommand as e:
+        raise click.UsageError(str(e)) from None
 
 
 def _say_capped(capped) -> None:
-    click.echo(f"image-builder: {capped.stream} went over --max-output ({capped.limit} bytes): the command "
-               "was stopped and the rest of its output dropped", err=True)
+    from image_builder.cli_run import say_capped
+    say_capped(capped)
 
 
 def _exit_as(result, timeout: float | None) -> None:
     """End as the command did (`run`, `sandbox exec`): 124 when --timeout stopped it, as timeout(1) does."""
-    if result.timed_out:
-        click.echo(f"image-builder: timed out after {timeout:g} s", err=True)
-        sys.exit(124)
-    sys.exit(result.exit_status)
+    from image_builder.cli_run import exit_as
+    exit_as(result, timeout)
 
 
 # A login shell's startup files, then the image's environment over them: /etc/profile sets PATH

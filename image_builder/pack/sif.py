@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import struct
 import time
 from collections.abc import Mapping
@@ -115,7 +114,11 @@ class SifError(ImageBuilderError):
 def arch_code(arch: str | None = None) -> str:
     """The two-digit SIF code for `arch`: a SIF code ("02"), a Go name ("amd64") or a
     machine name ("x86_64"); None means this host (platform.machine())."""
-    name = platform.machine() if arch is None else arch
+    if arch is None:
+        import platform  # only here: reading a SIF (every run's client does) needs no host name
+
+        arch = platform.machine()
+    name = arch
     key = name.strip().lower()
     if key in ARCH_NAMES:
         return key
