@@ -162,6 +162,14 @@ def test_swebench_in_the_sandbox(marshmallow_store, tmp_path, access):
             assert res["status"] != "passed", f"{rec['instance_id']}: an impossible variant must not be resolved"
         else:
             assert res["status"] == "passed" and res["repo"]["resolved"], (rec["instance_id"], res["reason"])
+    # SWE-bench's run report beside the results, as its harness writes it (graders/swebench_report.py).
+    run_report = json.loads(out.with_name("gold-results.swebench.json").read_text())
+    resolved = sorted(gold)
+    assert run_report["resolved_ids"] == resolved and run_report["resolved_instances"] == len(gold), run_report
+    for iid in resolved:
+        report = json.loads((out.with_name("gold-results.swebench") / iid / "report.json").read_text())[iid]
+        assert report["resolved"] and report["patch_successfully_applied"] and \
+            report["tests_status"]["FAIL_TO_PASS"]["failure"] == [], report
     empty = tmp_path / "empty-results.jsonl"
     grade(marshmallow_store, DATA / "swebench_marshmallow.jsonl", swe_predictions(tmp_path, "empty", lambda _: ""),
           empty, "--test-access", access)
