@@ -149,6 +149,16 @@ def _dir_path(text: str) -> Path | None:
     return None if os.path.exists(p) and not os.path.isdir(p) else p
 
 
+def _positive(text: str, kind: type):
+    """`text` as click reads --timeout (a float > 0) or --memory (an int >= 1); None where
+    click refuses it (NaN included: it is not > 0)."""
+    try:
+        value = kind(text)
+    except ValueError:
+        return None
+    return value if value > 0 else None
+
+
 def parse(args: list[str]) -> dict | None:
     """The parameters click gives `run` for ARGS (what follows `run`), or None to leave ARGS to click."""
     raw: dict = {"binds": [], "env_vars": []}
@@ -192,20 +202,11 @@ def parse(args: list[str]) -> dict | None:
     p["store"] = _dir_path(store)
     if p["store"] is None:
         return None
-    if "timeout" in raw:
-        try:
-            p["timeout"] = float(raw["timeout"])
-        except ValueError:
-            return None
-        if not p["timeout"] > 0 or p["timeout"] != p["timeout"]:
-            return None
-    if "memory" in raw:
-        try:
-            p["memory"] = int(raw["memory"])
-        except ValueError:
-            return None
-        if p["memory"] < 1:
-            return None
+    for key, kind in (("timeout", float), ("memory", int)):
+        if key in raw:
+            p[key] = _positive(raw[key], kind)
+            if p[key] is None:
+                return None
     if "backend" in raw:
         if raw["backend"] not in BACKENDS:
             return None
