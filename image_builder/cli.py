@@ -1055,13 +1055,20 @@ def swebench_group():
 @click.option("--python-default", default="docker.io/library/python:{python}-slim", show_default=True,
               help="Base image for a Python without --python ('' to leave those instances out).")
 @click.option("--apt", default="git", show_default=True, help="Debian packages every Python layer gets.")
-@click.option("--pip", "pip_version", default="pip==24.0", show_default=True,
-              help="pip requirement installed first in every venv.")
+@click.option("--pip", "pip_version", default="",
+              help="pip requirement of every Python layer (default: by Python: pip 26 from 3.9, which takes "
+              "the cut-off; the newest an older Python runs).")
+@click.option("--cutoff", default="auto", show_default=True, metavar="auto|none|DATE",
+              help="Resolve unpinned packages as on this day (ISO 8601, e.g. 2024-07-04): 'auto' takes, per "
+              "repository version, the day after the newest release its spec pins; 'none' resolves as of the build.")
+@click.option("--index-url", default="https://pypi.org/simple", show_default=True,
+              help="Package index whose upload dates --cutoff auto reads (PEP 691 JSON simple API).")
 @click.option("--exclude-tags", multiple=True, metavar="GLOB",
               help="Tags of the repositories not to copy (a mirror's own, like ib/*): setuptools_scm takes the "
               "nearest tag for the version and fails on one that is not a version.")
 @_one_line_errors
-def swebench_catalog(dataset, repos, output, pythons, python_default, apt, pip_version, exclude_tags):
+def swebench_catalog(dataset, repos, output, pythons, python_default, apt, pip_version, cutoff, index_url,
+                     exclude_tags):
     """Write a catalog building DATASET from the swebench package's specs: one environment per repository and
     version, layered over one per Python, and one thin instance per task."""
     from image_builder.build.swebench_catalog import CatalogOptions, generate
@@ -1071,8 +1078,15 @@ def swebench_catalog(dataset, repos, output, pythons, python_default, apt, pip_v
         if not sep or not version or not ref:
             raise click.BadParameter(f"{v!r}: expected X.Y=REFERENCE", param_hint="--python")
         mapping[version] = ref
-    result = generate(CatalogOptions(dataset, repos, output, mapping, python_default, apt, pip_version,
-                                     tuple(exclude_tags)), progress=lambda line: click.echo(line, err=True))
+    if cutoff not in ("auto", "none"):
+        from image_builder.build.upload_dates import iso, parse_time
+        try:
+            cutoff = iso(parse_time(cutoff))
+        except ValueError:
+            raise click.BadParameter(f"{cutoff!r}: expected auto, none or an ISO 8601 date (2024-07-04)",
+                                     param_hint="--cutoff") from None
+    result = generate(CatalogOptions(dataset, repos, output, mapping, python_default, apt, pip_version, cutoff,
+                                     index_url, tuple(exclude_tags)), progress=lambda line: click.echo(line, err=True))
     for line in result.skipped:
         click.echo(f"left out: {line}", err=True)
     for line in result.notes:

@@ -17,7 +17,7 @@ MARSHMALLOW = DATA / "swebench_marshmallow.jsonl"
 def generate(tmp: Path, dataset: Path, *extra: str) -> subprocess.CompletedProcess:
     return run_cli("swebench", "catalog", str(dataset), "--repos", str(DATA / "repos"), "-o",
                    str(tmp / "swe.yaml"), "--python", "3.9=registry.example/python:3.9", "--python-default", "",
-                   *extra)
+                   "--cutoff", "2024-07-04", *extra)
 
 
 def git(repo: Path, *args: str) -> str:
@@ -47,6 +47,36 @@ def test_catalog_from_the_specs_layers_history_and_builds_each_instance_once(tmp
     assert inst.environment == f"{slug}-3.0" and inst.workdir == "/testbed" and inst.test_command == "pytest -rA"
     assert inst.context.name == f"{slug}-1359" and inst.env["BASE_COMMIT"] == inst.grader["base_commit"]
     assert inst.grader["log_parser"] == "parse_log_pytest", "SWE-bench's parser for the repository, by name"
+    # The interpreter is the environment (tox-current-env links to it), and packages resolve as of the cut-off.
+    assert envs["python-3.9"].env["VENV"] == "" and "/opt/venv" not in envs["python-3.9"].env["PATH"]
+    assert envs[f"{slug}-3.0-deps"].env["PIP_UPLOADED_PRIOR_TO"] == "2024-07-04T00:00:00Z"
+    assert envs["python-3.9"].env["PIP_VERSION"] == "pip==26.0.1", "the pip of Python 3.9 that takes a cut-off"
+    assert "python-3.9-cc" not in envs, "marshmallow has no C sources: no compiler layer"
+
+
+def test_a_repository_with_c_sources_gets_a_compiler_layer(tmp_path):
+    """Decided from the repository, not a flag: C sources outside tests put its layers on python-X-cc."""
+    repo = tmp_path / "marshmallow"
+    subprocess.run(["git", "clone", "-q", str(DATA / "repos/marshmallow.bundle"), str(repo)], check=True)
+    rows = [json.loads(line) for line in MARSHMALLOW.read_text().splitlines()]
+    row = rows[1]
+    git(repo, "checkout", "-q", row["base_commit"])
+    (repo / "src").mkdir(exist_ok=True)
+    (repo / "src/speedups.c").write_text("int f(void) { return 0; }\n")
+    git(repo, "add", "src/speedups.c")
+    git(repo, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "-m", "c")
+    head = git(repo, "rev-parse", "HEAD").strip()
+    dataset = tmp_path / "c.jsonl"
+    dataset.write_text(json.dumps({**row, "base_commit": head, "environment_setup_commit": head}) + "\n")
+    r = run_cli("swebench", "catalog", str(dataset), "--repos", str(tmp_path), "-o", str(tmp_path / "c.yaml"),
+                "--python", "3.9=registry.example/python:3.9", "--python-default", "", "--cutoff", "none")
+    assert r.returncode == 0, r.stderr
+    envs = load(tmp_path / "c.yaml").environments
+    assert envs["python-3.9-cc"].parent == "python-3.9"
+    assert [s.name for s in envs["python-3.9-cc"].scripts] == ["build-tools.sh"]
+    history = next(e for e in envs.values() if e.name.endswith("history"))
+    assert history.parent == "python-3.9-cc"
+    assert not any("PIP_UPLOADED_PRIOR_TO" in e.env for e in envs.values()), "--cutoff none"
 
 
 def test_no_layer_holds_a_commit_its_instance_may_not_see(tmp_path):
@@ -183,3 +213,68 @@ def test_build_only_takes_globs_and_commas(tmp_path):
                                                  "or a glob (quoted) matching some")
     assert not (tmp_path / "store").exists()
     assert "glob" in run_cli("build", "--help").stdout
+
+
+def test_auto_cutoff_is_the_day_after_the_newest_pinned_release(tmp_path):
+    """Read from a real HTTP index serving PEP 691 JSON: the spec's pins decide, else its repository's, else
+    the table's; an instance made later moves it later; answers are cached, so a rerun asks nothing."""
+    import http.server
+    import threading
+    from types import SimpleNamespace
+
+    from image_builder.build.swebench_catalog import CatalogOptions, Cutoffs, spec_of
+
+    files = {"tox": [("tox-4.16.0-py3-none-any.whl", "2024-07-03T03:29:14Z"), ("tox-4.16.0.tar.gz", "2024-07-03T04:00:00Z")],
+             "mpmath": [("mpmath-1.3.0-py3-none-any.whl", "2023-03-07T16:47:09Z")],
+             # A wheel spells the name with "_": more_itertools-10.1.0 is more-itertools 10.1.0.
+             "more-itertools": [("more_itertools-10.1.0-py3-none-any.whl", "2023-08-03T16:36:29Z")]}
+    asked = []
+
+    class Index(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            name = self.path.strip("/").split("/")[-1]
+            asked.append(name)
+            body = json.dumps({"meta": {"api-version": "1.1"}, "files": [
+                {"filename": f, "upload-time": t} for f, t in files.get(name, [])]}).encode()
+            self.send_response(200 if name in files else 404)
+            self.send_header("Content-Type", "application/vnd.pypi.simple.v1+json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Index)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        table = {"a/pins": {"1": {"python": "3.9", "pip_packages": ["tox==4.16.0", "pytest"]},
+                            "2": {"python": "3.9", "pip_packages": ["more-itertools==10.1.0"]}},
+                 "b/mp": {"1": {"python": "3.9", "pip_packages": ["mpmath==1.3.0"]},
+                          "2": {"python": "3.9", "packages": "pytest"}},
+                 "c/none": {"1": {"python": "3.9", "packages": "pytest"}}}
+        constants = SimpleNamespace(MAP_REPO_VERSION_TO_SPECS=table)
+        opts = CatalogOptions(tmp_path / "d.jsonl", tmp_path, tmp_path / "c.yaml",
+                              index_url=f"http://127.0.0.1:{server.server_port}/simple")
+        cutoffs = Cutoffs(constants, opts, tmp_path / "dates.json")
+        def of(repo, version, records=()):
+            return cutoffs.of(repo, version, spec_of(constants, repo, version), list(records))
+        assert of("a/pins", "1") == "2024-07-04T00:00:00Z"
+        assert of("a/pins", "2") == "2023-08-04T00:00:00Z"
+        assert of("b/mp", "2") == "2023-03-08T00:00:00Z", "no pins: its repository's newest"
+        assert of("c/none", "1") == "2024-07-04T00:00:00Z", "none in its repository: the table's newest"
+        assert of("b/mp", "1", [{"created_at": "2025-01-02T10:00:00Z"}]) == "2025-01-03T00:00:00Z"
+        cutoffs.save()
+        before = len(asked)
+        again = Cutoffs(constants, opts, tmp_path / "dates.json")
+        assert again.of("a/pins", "1", spec_of(constants, "a/pins", "1"), []) == "2024-07-04T00:00:00Z"
+        assert len(asked) == before, "answered from the cache"
+    finally:
+        server.shutdown()
+
+    down = Cutoffs(constants, CatalogOptions(tmp_path / "d.jsonl", tmp_path, tmp_path / "c.yaml",
+                                             index_url="http://127.0.0.1:9/simple"), tmp_path / "other.json")
+    try:
+        down.of("a/pins", "1", spec_of(constants, "a/pins", "1"), [])
+        raise AssertionError("an unreachable index must be an error")
+    except Exception as e:  # noqa: BLE001 - the one-line SpecError
+        assert "give --cutoff DATE, or --cutoff none" in str(e) and type(e).__name__ == "SpecError"

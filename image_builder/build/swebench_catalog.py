@@ -7,8 +7,10 @@ time from the installed `swebench`, never copied here) give a Python, packages,
 pip_packages, pre_install, install and a test command. The catalog stacks them
 as layers, each stored once however many environments share it:
 
-    python-3.9                     base image + git + a venv (pip pinned)
-      <repo>-<version>-deps        the spec's packages (equal specs: one image)
+    python-3.9                     base image + git + pip, into the interpreter itself (no venv)
+      python-3.9-cc                a compiler and Python's headers (repositories with C/Cython sources)
+      <repo>-<version>-deps        the spec's packages, resolved as of its cut-off day (equal specs: one
+                                   image)
         <repo>-<version>           the repository's history up to the merge-base
                                    of its instances' base commits, checked out
                                    there, pre_install, install
@@ -24,10 +26,17 @@ later commit (the fix) out of `.git`. Tags come with the commits they point at
 Every instance's repository is pruned to its HEAD's history after its script as
 well (repo_history.py, for catalogs written by hand): here it only drops reflogs.
 
+Packages the spec does not pin resolve as on the day after the newest release it
+pins (upload_dates.py; the instances' own dates where later), recorded in the
+catalog as PIP_UPLOADED_PRIOR_TO, so a rebuild next year gives the same
+environment. The interpreter is the environment's, as SWE-bench's conda env is:
+tox-current-env links `.tox/*/bin/python` to it, and a link to a venv's python
+finds no pyvenv.cfg beside it and loses the venv's packages.
+
 The bundles cut this way go into a context directory beside the catalog
 (`<catalog>.d/`). Specs that cannot be honoured here (conda environment.yml,
-non-Python specs, a Python with no base image, a missing commit) are reported
-per instance, one line each, and the rest is written.
+non-Python specs, a Python with no base image, a missing commit or an unreadable
+object) are reported per instance, one line each, and the rest is written.
 """
 
 from __future__ import annotations
@@ -43,20 +52,34 @@ import tempfile
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from image_builder.build.upload_dates import DEFAULT_INDEX, UploadDateError, UploadDates, day_after, iso, \
+    parse_time, pins
 from image_builder.errors import ImageBuilderError
 from image_builder.store.files import atomic_write
 from image_builder.store.ids import file_name, id_problem
 from image_builder.tasks import RepoTask, load_tasks_with_rows, read_records
 
 DEFAULT_PYTHON_BASE = "docker.io/library/python:{python}-slim"
-DEFAULT_PIP = "pip==24.0"  # PEP 660 editable installs (>= 21.3), and still takes the old versions specs pin
-VENV = "/opt/venv"
-PATH = f"{VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# pip per Python: 26 takes a cut-off (--uploaded-prior-to); older Pythons get the newest pip they run,
+# which resolves as of today. All have PEP 660 editable installs (>= 21.3).
+PIPS = {(3, 10): "pip==26.3", (3, 9): "pip==26.0.1", (3, 8): "pip==25.0.1", (3, 7): "pip==24.0", (3, 6): "pip==21.3.1"}
+# What pip 25.3 removed: the --no-use-pep517 option, and `setup.py develop` for an editable install whose
+# build backend has no PEP 660 hook (setuptools < 64: pylint 2.15 pins setuptools~=62.6). A spec whose
+# install needs one gets pip 25.2 after its packages (its own install is then not cut off).
+OLD_PIP_OPTIONS = ("--no-use-pep517",)
+PIP_FOR_OLD_OPTIONS = "pip==25.2"
+OLD_SETUPTOOLS = re.compile(r"[\"']setuptools\s*(?:~=|==|<=|<)\s*(\d+)")
+PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# Sources that need a compiler when the repository installs, outside tests and docs (sphinx's test root
+# holds a .pyx it never builds).
+COMPILED = re.compile(r"\.(c|cc|cpp|cxx|pyx|f|f90)$")
+NOT_BUILT = re.compile(r"(^|/)(tests?|testing|docs?|examples?)/")
 WORKDIR = "/testbed"
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
 REPO = re.compile(r"^[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+$")
@@ -80,6 +103,18 @@ class Spec:
     install: str
     test_cmd: str
     not_run: tuple[str, ...] = ()  # parts of the spec this builder does not carry out (said per instance)
+
+    @property
+    def version(self) -> tuple[int, ...]:
+        return tuple(int(x) for x in re.findall(r"\d+", self.python)[:2])
+
+    @property
+    def pip(self) -> str:
+        return next((pip for at_least, pip in PIPS.items() if self.version >= at_least), "")
+
+    @property
+    def old_pip_options(self) -> bool:
+        return any(o in " ".join((self.install, *self.pre_install)) for o in OLD_PIP_OPTIONS)
 
 
 @dataclass
@@ -211,6 +246,11 @@ class Repository:
         return subprocess.run(["git", "--git-dir", str(self.git_dir), "cat-file", "-e", f"{commit}^{{commit}}"],
                               capture_output=True).returncode == 0
 
+    def compiles(self, commit: str) -> bool:
+        """Whether `commit` has sources a compiler builds (C, C++, Cython, Fortran) outside tests and docs."""
+        names = self._git("ls-tree", "-r", "--name-only", "-z", commit).split("\0")
+        return any(COMPILED.search(n) and not NOT_BUILT.search(n) for n in names)
+
     def merge_base(self, commits: list[str]) -> str:
         return commits[0] if len(set(commits)) == 1 else self._git("merge-base", "--octopus", *commits).strip()
 
@@ -280,7 +320,9 @@ class CatalogOptions:
     python: dict[str, str] = field(default_factory=dict)  # "3.9" -> base image reference
     python_default: str = DEFAULT_PYTHON_BASE  # "{python}" template; "" = only the --python ones
     apt: str = "git"  # Debian packages of every Python layer
-    pip: str = DEFAULT_PIP
+    pip: str = ""  # the pip requirement of every Python layer; "" = by Python (PIPS)
+    cutoff: str = "auto"  # "auto": from the specs' pins (Cutoffs); "none"; or one date for every environment
+    index_url: str = DEFAULT_INDEX  # where upload dates are read (PEP 691 JSON)
     # Tags not to copy (globs): a mirror's own helper tags are not upstream's, and a build tool reading the
     # nearest tag as the version (setuptools_scm) fails on one that is not a version.
     exclude_tags: tuple[str, ...] = ()
@@ -313,6 +355,7 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
         groups.setdefault((task.repo, task.version), []).append((task, record))
 
     context = opts.out.with_name(opts.out.stem + ".d")
+    cutoffs = Cutoffs(constants, opts, context / "upload-dates.json")
     environments: list[dict] = []
     sets: dict[tuple[str, str, str, str], list[str]] = {}  # (repo, test_cmd, install, pre_install) -> ids
     with tempfile.TemporaryDirectory(prefix="ib-swebench-") as tmp:
@@ -334,8 +377,14 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
             else:
                 usable.append((repo, version, *found, members))
 
+        # Whether each repository builds extensions on a Python: then its layers sit on a compiler layer.
+        compiles: dict[tuple[str, str], bool] = {}
+        for repo, version, spec, base, mirror, requirements, members in usable:
+            setup_commit = str(members[0][1].get("environment_setup_commit") or members[0][0].base_commit)
+            compiles[repo, spec.python] = compiles.get((repo, spec.python), False) or mirror.compiles(setup_commit)
+
         python_envs: set[str] = set()
-        histories: dict[tuple[str, str], str] = {}  # (repo, python) -> its history environment's merge-base
+        histories: dict[tuple[str, str], str | None] = {}  # (repo, python) -> its history's merge-base, or None
         for done, (repo, version, spec, base, mirror, requirements, members) in enumerate(usable, 1):
             progress(f"{repo} {version}: {len(members)} instance{'s' if len(members) != 1 else ''} "
                      f"({done} of {len(usable)})")
@@ -343,39 +392,72 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
             if python_env not in python_envs:
                 python_envs.add(python_env)
                 environments.append({"name": python_env, "base": base, "scripts": ["apt-packages.sh", "python-venv.sh"],
-                                     "env": {"APT_PACKAGES": opts.apt, "VENV": VENV, "PATH": PATH,
-                                             "PIP_VERSION": opts.pip}})
-            # The repository's history shared by all its versions on this Python: up to the merge-base of
-            # every one of their instances' base commits (what each of them may see).
-            history = f"{slug(repo)}-py{spec.python}-history"
-            if (repo, spec.python) not in histories:
-                shared = mirror.merge_base([t.base_commit for r, _, sp, _, _, _, ms in usable
-                                            if r == repo and sp.python == spec.python for t, _ in ms])
-                histories[repo, spec.python] = shared
-                environments.append(_repo_env(history, python_env, context / "envs" / history, opts.out,
-                                              mirror, shared, None, {}))
-            env_name = f"{slug(repo)}-{version}"
-            deps_dir = context / "envs" / f"{env_name}-deps"
-            deps_dir.mkdir(parents=True, exist_ok=True)
-            _write_if_changed(deps_dir / "requirements.txt", requirements)
-            environments.append({"name": f"{env_name}-deps", "from": history, "scripts": ["python-venv.sh"],
-                                 "env": {"PYTHON_PACKAGES": " ".join(spec.packages)},
-                                 "context": _relative(deps_dir, opts.out.parent)})
-            merge_base = mirror.merge_base([t.base_commit for t, _ in members])
-            environments.append(_repo_env(env_name, f"{env_name}-deps", context / "envs" / env_name, opts.out, mirror,
-                                          merge_base, histories[repo, spec.python],
-                                          {"BASE_COMMIT": merge_base, "PRE_INSTALL": "\n".join(spec.pre_install),
-                                           "INSTALL": spec.install}))
+                                     "env": {"APT_PACKAGES": opts.apt, "VENV": "", "PATH": PATH,
+                                             "PIP_BREAK_SYSTEM_PACKAGES": "1",  # PEP 668: the image is the env
+                                             "PIP_VERSION": opts.pip or spec.pip}})
+            below = python_env
+            if compiles[repo, spec.python]:
+                below = f"{python_env}-cc"
+                if below not in python_envs:
+                    python_envs.add(below)
+                    environments.append({"name": below, "from": python_env, "scripts": ["build-tools.sh"]})
+            added: list[dict] = []
+            try:
+                # The repository's history shared by all its versions on this Python: up to the merge-base of
+                # every one of their instances' base commits (what each of them may see).
+                history = f"{slug(repo)}-py{spec.python}-history"
+                if (repo, spec.python) not in histories:
+                    histories[repo, spec.python] = None  # a failed history leaves out every version on it
+                    shared = mirror.merge_base([t.base_commit for r, _, sp, _, _, _, ms in usable
+                                                if r == repo and sp.python == spec.python for t, _ in ms])
+                    environments.append(_repo_env(history, below, context / "envs" / history, opts.out,
+                                                  mirror, shared, None, {}))
+                    histories[repo, spec.python] = shared
+                if histories[repo, spec.python] is None:
+                    raise SpecError(f"the history of {repo} on Python {spec.python} could not be cut")
+                env_name = f"{slug(repo)}-{version}"
+                deps_dir = context / "envs" / f"{env_name}-deps"
+                deps_dir.mkdir(parents=True, exist_ok=True)
+                _write_if_changed(deps_dir / "requirements.txt", requirements)
+                deps_env = {"PYTHON_PACKAGES": " ".join(spec.packages)}
+                cutoff = cutoffs.of(repo, version, spec, [r for _, r in members])
+                if cutoff and _takes_cutoff(opts.pip or spec.pip):
+                    deps_env["PIP_UPLOADED_PRIOR_TO"] = cutoff
+                elif cutoff:
+                    pip = opts.pip or spec.pip or "the base's pip"
+                    result.notes += [f"{t.original_id}: not carried out: cut-off {cutoff} ({pip} for Python "
+                                     f"{spec.python} has no --uploaded-prior-to)" for t, _ in members]
+                setup_commit = str(members[0][1].get("environment_setup_commit") or members[0][0].base_commit)
+                if spec.old_pip_options or _no_pep660(mirror.show(setup_commit, "pyproject.toml")):
+                    deps_env["PIP_FOR_INSTALL"] = PIP_FOR_OLD_OPTIONS
+                added.append({"name": f"{env_name}-deps", "from": history, "scripts": ["python-venv.sh"],
+                              "env": deps_env, "context": _relative(deps_dir, opts.out.parent)})
+                merge_base = mirror.merge_base([t.base_commit for t, _ in members])
+                added.append(_repo_env(env_name, f"{env_name}-deps", context / "envs" / env_name, opts.out, mirror,
+                                       merge_base, histories[repo, spec.python],
+                                       {"BASE_COMMIT": merge_base, "PRE_INSTALL": "\n".join(spec.pre_install),
+                                        "INSTALL": spec.install}))
+            except SpecError as e:
+                result.skipped.extend(f"{t.original_id}: {e}" for t, _ in members)
+                continue
+            environments += added
+            built = 0
             for task, _ in members:
                 inst_dir = context / "instances" / file_name(task.original_id)
                 inst_dir.mkdir(parents=True, exist_ok=True)
-                _bundle_once(mirror, inst_dir / "commits.bundle", task.base_commit, merge_base)
+                try:
+                    _bundle_once(mirror, inst_dir / "commits.bundle", task.base_commit, merge_base)
+                except SpecError as e:
+                    result.skipped.append(f"{task.original_id}: {e}")
+                    continue
+                built += 1
                 sets.setdefault((repo, spec.test_cmd, spec.install, "\n".join(spec.pre_install)), []).append(
                     task.original_id)
-            result.notes += [f"{t.original_id}: not carried out: {'; '.join(spec.not_run)}" for t, _ in members
-                             if spec.not_run]
+                if spec.not_run:
+                    result.notes.append(f"{task.original_id}: not carried out: {'; '.join(spec.not_run)}")
             result.environments += 1
-            result.instances += len(members)
+            result.instances += built
+    cutoffs.save()
 
     doc = {"environments": environments,
            "instance_sets": [{"from": _relative(opts.dataset, opts.out.parent),
@@ -389,12 +471,73 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
                              for (repo, test_cmd, install, pre_install), ids in sorted(sets.items())]}
     header = (f"# Generated by image-builder swebench catalog from {opts.dataset.name} and the specs of swebench "
               f"{_swebench_version()}.\n# {result.environments} repository environments, {result.instances} "
-              f"instances; left out: {len(result.skipped)}.\n")
-    if not environments:
+              f"instances; left out: {len(result.skipped)}.\n"
+              f"# Cut-offs (PIP_UPLOADED_PRIOR_TO): {cutoffs.origin}.\n")
+    if not result.instances:
         raise SpecError(f"{opts.dataset}: no instance can be built; first: {(result.skipped or ['no tasks'])[0]}")
     text = header + yaml.safe_dump(doc, sort_keys=False, width=120)
     atomic_write(opts.out, lambda f: f.write(text.encode()))
     return result
+
+
+def _no_pep660(pyproject: str | None) -> bool:
+    """Whether the build requirements pin a setuptools older than 64 (no editable hook)."""
+    requires = re.search(r"^requires\s*=\s*\[([^\]]*)\]", pyproject or "", re.M)
+    m = OLD_SETUPTOOLS.search(requires.group(1)) if requires else None
+    return bool(m) and int(m.group(1)) < 64
+
+
+def _takes_cutoff(pip: str) -> bool:
+    m = re.match(r"^pip\s*==\s*(\d+)", pip)
+    return bool(m) and int(m.group(1)) >= 26
+
+
+class Cutoffs:
+    """The cut-off day of each repository version: the day after the newest release its spec pins, else
+    after the newest its repository's specs pin, else after the newest any spec of the table pins (the
+    era of the specs); never before the day after its newest instance was made."""
+
+    def __init__(self, constants: types.ModuleType, opts: CatalogOptions, cache: Path):
+        self.constants, self.opts = constants, opts
+        self.dates = UploadDates(cache, opts.index_url)
+        self._pins: dict[str | None, datetime | None] = {}  # repo (None: the whole table) -> newest pin
+        if opts.cutoff == "auto":
+            self.origin = f"the day after the newest release each spec pins, from {opts.index_url}"
+        elif opts.cutoff == "none":
+            self.origin = "none (resolved as of the build)"
+        else:
+            self.origin = f"{opts.cutoff} for every environment (--cutoff)"
+
+    def of(self, repo: str, version: str, spec: Spec, records: list[dict]) -> str | None:
+        if self.opts.cutoff == "none":
+            return None
+        if self.opts.cutoff != "auto":
+            return self.opts.cutoff
+        try:
+            newest = self.dates.newest(pins(spec.packages)) or self._newest_pin(repo) or self._newest_pin(None)
+        except UploadDateError as e:
+            raise SpecError(str(e)) from None
+        made = [parse_time(str(r["created_at"])) for r in records if _is_time(r.get("created_at"))]
+        dates = [d for d in (newest, *made) if d]
+        return iso(day_after(max(dates))) if dates else None
+
+    def _newest_pin(self, repo: str | None) -> datetime | None:
+        if repo not in self._pins:
+            specs = self.constants.MAP_REPO_VERSION_TO_SPECS
+            found = [spec_of(self.constants, r, v) for r in ([repo] if repo else specs) for v in specs.get(r, {})]
+            self._pins[repo] = self.dates.newest(p for s in found if isinstance(s, Spec) for p in pins(s.packages))
+        return self._pins[repo]
+
+    def save(self) -> None:
+        self.dates.save()
+
+
+def _is_time(value: object) -> bool:
+    try:
+        parse_time(str(value))
+        return value is not None
+    except ValueError:
+        return False
 
 
 def _usable(constants: types.ModuleType, opts: CatalogOptions, repo: str, version: str, members: list,
