@@ -380,8 +380,8 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
         # Whether each repository builds extensions on a Python: then its layers sit on a compiler layer.
         compiles: dict[tuple[str, str], bool] = {}
         for repo, version, spec, base, mirror, requirements, members in usable:
-            setup_commit = str(members[0][1].get("environment_setup_commit") or members[0][0].base_commit)
-            compiles[repo, spec.python] = compiles.get((repo, spec.python), False) or mirror.compiles(setup_commit)
+            compiles[repo, spec.python] = compiles.get((repo, spec.python), False) or \
+                mirror.compiles(_setup_commit(members))
 
         python_envs: set[str] = set()
         histories: dict[tuple[str, str], str | None] = {}  # (repo, python) -> its history's merge-base, or None
@@ -389,12 +389,13 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
             progress(f"{repo} {version}: {len(members)} instance{'s' if len(members) != 1 else ''} "
                      f"({done} of {len(usable)})")
             python_env = f"python-{spec.python}"
+            pip = opts.pip or spec.pip
             if python_env not in python_envs:
                 python_envs.add(python_env)
                 environments.append({"name": python_env, "base": base, "scripts": ["apt-packages.sh", "python-venv.sh"],
                                      "env": {"APT_PACKAGES": opts.apt, "VENV": "", "PATH": PATH,
                                              "PIP_BREAK_SYSTEM_PACKAGES": "1",  # PEP 668: the image is the env
-                                             "PIP_VERSION": opts.pip or spec.pip}})
+                                             "PIP_VERSION": pip}})
             below = python_env
             if compiles[repo, spec.python]:
                 below = f"{python_env}-cc"
@@ -421,14 +422,13 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
                 _write_if_changed(deps_dir / "requirements.txt", requirements)
                 deps_env = {"PYTHON_PACKAGES": " ".join(spec.packages)}
                 cutoff = cutoffs.of(repo, version, spec, [r for _, r in members])
-                if cutoff and _takes_cutoff(opts.pip or spec.pip):
+                if cutoff and _takes_cutoff(pip):
                     deps_env["PIP_UPLOADED_PRIOR_TO"] = cutoff
                 elif cutoff:
-                    pip = opts.pip or spec.pip or "the base's pip"
-                    result.notes += [f"{t.original_id}: not carried out: cut-off {cutoff} ({pip} for Python "
+                    which = pip or "the base's pip"
+                    result.notes += [f"{t.original_id}: not carried out: cut-off {cutoff} ({which} for Python "
                                      f"{spec.python} has no --uploaded-prior-to)" for t, _ in members]
-                setup_commit = str(members[0][1].get("environment_setup_commit") or members[0][0].base_commit)
-                if spec.old_pip_options or _no_pep660(mirror.show(setup_commit, "pyproject.toml")):
+                if spec.old_pip_options or _no_pep660(mirror.show(_setup_commit(members), "pyproject.toml")):
                     deps_env["PIP_FOR_INSTALL"] = PIP_FOR_OLD_OPTIONS
                 added.append({"name": f"{env_name}-deps", "from": history, "scripts": ["python-venv.sh"],
                               "env": deps_env, "context": _relative(deps_dir, opts.out.parent)})
@@ -534,10 +534,14 @@ class Cutoffs:
 
 def _is_time(value: object) -> bool:
     try:
-        parse_time(str(value))
-        return value is not None
+        return isinstance(value, str) and bool(parse_time(value))
     except ValueError:
         return False
+
+
+def _setup_commit(members: list[tuple[RepoTask, dict]]) -> str:
+    """The commit a version's environment is set up from (SWE-bench's environment_setup_commit)."""
+    return str(members[0][1].get("environment_setup_commit") or members[0][0].base_commit)
 
 
 def _usable(constants: types.ModuleType, opts: CatalogOptions, repo: str, version: str, members: list,
@@ -552,7 +556,7 @@ def _usable(constants: types.ModuleType, opts: CatalogOptions, repo: str, versio
         return f"no base image for Python {spec.python} (give --python {spec.python}=IMAGE)"
     if isinstance(mirror, str):
         return mirror
-    setup_commit = str(members[0][1].get("environment_setup_commit") or members[0][0].base_commit)
+    setup_commit = _setup_commit(members)
     for commit in sorted({setup_commit, *(t.base_commit for t, _ in members)}):
         if not COMMIT.match(commit) or not mirror.has_commit(commit):
             return f"commit {commit[:40]!r} is not in {mirror.source}"
