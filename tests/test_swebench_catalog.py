@@ -54,29 +54,45 @@ def test_catalog_from_the_specs_layers_history_and_builds_each_instance_once(tmp
     assert "python-3.9-cc" not in envs, "marshmallow has no C sources: no compiler layer"
 
 
-def test_a_repository_with_c_sources_gets_a_compiler_layer(tmp_path):
-    """Decided from the repository, not a flag: C sources outside tests put its layers on python-X-cc."""
-    repo = tmp_path / "marshmallow"
+def _marshmallow_with(tmp: Path, files: dict[str, str], *extra: str) -> dict:
+    """A catalog of marshmallow 3.0's instance on a commit adding FILES; its environments by name."""
+    repo = tmp / "marshmallow"
     subprocess.run(["git", "clone", "-q", str(DATA / "repos/marshmallow.bundle"), str(repo)], check=True)
-    rows = [json.loads(line) for line in MARSHMALLOW.read_text().splitlines()]
-    row = rows[1]
+    row = [json.loads(line) for line in MARSHMALLOW.read_text().splitlines()][1]
     git(repo, "checkout", "-q", row["base_commit"])
-    (repo / "src").mkdir(exist_ok=True)
-    (repo / "src/speedups.c").write_text("int f(void) { return 0; }\n")
-    git(repo, "add", "src/speedups.c")
+    for name, text in files.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(text)
+        git(repo, "add", name)
     git(repo, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "-m", "c")
     head = git(repo, "rev-parse", "HEAD").strip()
-    dataset = tmp_path / "c.jsonl"
+    dataset = tmp / "c.jsonl"
     dataset.write_text(json.dumps({**row, "base_commit": head, "environment_setup_commit": head}) + "\n")
-    r = run_cli("swebench", "catalog", str(dataset), "--repos", str(tmp_path), "-o", str(tmp_path / "c.yaml"),
-                "--python", "3.9=registry.example/python:3.9", "--python-default", "", "--cutoff", "none")
+    r = run_cli("swebench", "catalog", str(dataset), "--repos", str(tmp), "-o", str(tmp / "c.yaml"),
+                "--python", "3.9=registry.example/python:3.9", "--python-default", "", *extra)
     assert r.returncode == 0, r.stderr
-    envs = load(tmp_path / "c.yaml").environments
+    return load(tmp / "c.yaml").environments
+
+
+def test_a_repository_with_c_sources_gets_a_compiler_layer(tmp_path):
+    """Decided from the repository, not a flag: C sources outside tests put its layers on python-X-cc."""
+    envs = _marshmallow_with(tmp_path, {"src/speedups.c": "int f(void) { return 0; }\n"}, "--cutoff", "none")
     assert envs["python-3.9-cc"].parent == "python-3.9"
     assert [s.name for s in envs["python-3.9-cc"].scripts] == ["build-tools.sh"]
     history = next(e for e in envs.values() if e.name.endswith("history"))
     assert history.parent == "python-3.9-cc"
     assert not any("PIP_UPLOADED_PRIOR_TO" in e.env for e in envs.values()), "--cutoff none"
+    assert not any("PIP_FOR_INSTALL" in e.env for e in envs.values()), "no old setuptools pinned"
+
+
+def test_old_setuptools_build_requirement_installs_with_the_last_pip_that_develops(tmp_path):
+    """pylint 2.15 pins setuptools~=62.6 (no PEP 660 hook): pip 25.3+ cannot install it editable; pip 25.2
+    falls back to `setup.py develop`, which must link into a directory Debian's interpreter reads."""
+    pyproject = '[build-system]\nrequires = ["setuptools~=62.6", "wheel~=0.37.1"]\n'
+    envs = _marshmallow_with(tmp_path, {"pyproject.toml": pyproject}, "--cutoff", "none")
+    deps = next(e for e in envs.values() if e.name.endswith("-deps"))
+    assert deps.env["PIP_FOR_INSTALL"] == "pip==25.2"
+    assert deps.env["SETUPTOOLS_USE_DISTUTILS"] == "stdlib"
 
 
 def test_no_layer_holds_a_commit_its_instance_may_not_see(tmp_path):

@@ -430,6 +430,11 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
                                      f"{spec.python} has no --uploaded-prior-to)" for t, _ in members]
                 if spec.old_pip_options or _no_pep660(mirror.show(_setup_commit(members), "pyproject.toml")):
                     deps_env["PIP_FOR_INSTALL"] = PIP_FOR_OLD_OPTIONS
+                    if spec.version < (3, 12):
+                        # `setup.py develop` under setuptools' own distutils links the checkout into
+                        # /usr/lib/pythonX.Y/site-packages, which Debian's interpreter does not read (pylint
+                        # 2.15: No module named 'pylint'); Debian's distutils picks its dist-packages.
+                        deps_env["SETUPTOOLS_USE_DISTUTILS"] = "stdlib"
                 added.append({"name": f"{env_name}-deps", "from": history, "scripts": ["python-venv.sh"],
                               "env": deps_env, "context": _relative(deps_dir, opts.out.parent)})
                 merge_base = mirror.merge_base([t.base_commit for t, _ in members])

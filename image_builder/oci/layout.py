@@ -4,6 +4,7 @@ filesystem directory: how a base made here (`image-builder base debian`) reaches
 
 from __future__ import annotations
 
+import fcntl
 import gzip
 import hashlib
 import json
@@ -22,14 +23,21 @@ DEFAULT_ENV = ("PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bi
 
 
 def rootfs_layer(rootfs: Path, dest: Path) -> Path:
-    """A gzip tar layer of a directory, numeric owners, written once."""
-    if not dest.exists():
-        tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")  # several processes may make it at once
-        with gzip.open(tmp, "wb", compresslevel=6) as gz, tarfile.open(fileobj=gz, mode="w|",
-                                                                        format=tarfile.PAX_FORMAT) as tar:
-            for entry in sorted(rootfs.iterdir()):
-                tar.add(entry, arcname=entry.name)
-        os.replace(tmp, dest)
+    """A gzip tar layer of a directory, numeric owners, written once: under a lock, because a second writer
+    replacing the file while a first pushes it makes the pushed bytes disagree with their digest (HTTP 400
+    from the registry, two test workers on a fresh machine); with a zero gzip time, so the same tree always
+    gives the same digest."""
+    if dest.exists():
+        return dest
+    with open(dest.with_name(f"{dest.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not dest.exists():
+            tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")
+            with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=6, mtime=0) as gz, \
+                    tarfile.open(fileobj=gz, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+                for entry in sorted(rootfs.iterdir()):
+                    tar.add(entry, arcname=entry.name)
+            os.replace(tmp, dest)
     return dest
 
 
