@@ -1052,8 +1052,9 @@ def swebench_group():
               help="The catalog to write; its bundles go beside it in OUTPUT's stem + .d/.")
 @click.option("--python", "pythons", multiple=True, metavar="X.Y=REF",
               help="Base image for the specs' Python X.Y (repeatable).")
-@click.option("--python-default", default="docker.io/library/python:{python}-slim", show_default=True,
-              help="Base image for a Python without --python ('' to leave those instances out).")
+@click.option("--python-default", default="", metavar="TEMPLATE",
+              help="Base image for a Python without --python, '{python}' replaced (e.g. "
+              "'docker.io/library/python:{python}-slim'); default: those instances are left out.")
 @click.option("--apt", default="git", show_default=True, help="Debian packages every Python layer gets.")
 @click.option("--pip", "pip_version", default="",
               help="pip requirement of every Python layer (default: by Python: pip 26 from 3.9, which takes "

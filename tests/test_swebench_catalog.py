@@ -148,17 +148,18 @@ def test_specs_that_cannot_be_honoured_are_reported_per_instance(tmp_path):
            "(conda-only packages)" in lines
     assert any(line.startswith("left out: marshmallow-code__marshmallow-8: commit '0000") for line in lines)
     assert any(line.startswith("left out: pallets__flask-1: no repository for pallets/flask") for line in lines)
-    assert "left out: pallets__flask-2: no base image for Python 3.11 (give --python 3.11=IMAGE)" in lines
+    assert "left out: pallets__flask-2: no base image for Python 3.11: give --python 3.11=REF (an image with " \
+        "Python 3.11), or --python-default TEMPLATE" in lines
     assert "left out: climb-1: version '../../../../tmp/x' is not a version (letters, digits and . _ + -)" in lines
     assert "left out: climb-2: repo '../..' is not owner/name" in lines
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mixed.jsonl", "swe.d", "swe.yaml"], "nothing outside"
     assert sorted(load(tmp_path / "swe.yaml").instances) == [good["instance_id"]], "the rest is built"
 
     r = run_cli("swebench", "catalog", str(MARSHMALLOW), "--repos", str(DATA / "repos"), "-o",
-                str(tmp_path / "none.yaml"), "--python-default", "")
+                str(tmp_path / "none.yaml"))  # no base given: none taken from Docker Hub
     assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert "no instance can be built; first: marshmallow-code__marshmallow-1343: no base image for Python 3.9 " \
-           "(give --python 3.9=IMAGE)" in r.stderr
+    assert "no instance can be built; first: marshmallow-code__marshmallow-1343: no base image for Python 3.9: " \
+           "give --python 3.9=REF" in r.stderr
     assert not (tmp_path / "none.yaml").exists()
 
 

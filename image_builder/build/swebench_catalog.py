@@ -65,7 +65,6 @@ from image_builder.store.files import atomic_write
 from image_builder.store.ids import file_name, id_problem
 from image_builder.tasks import RepoTask, load_tasks_with_rows, read_records
 
-DEFAULT_PYTHON_BASE = "docker.io/library/python:{python}-slim"
 # pip per Python: 26 takes a cut-off (--uploaded-prior-to); older Pythons get the newest pip they run,
 # which resolves as of today. All have PEP 660 editable installs (>= 21.3).
 PIPS = {(3, 10): "pip==26.3", (3, 9): "pip==26.0.1", (3, 8): "pip==25.0.1", (3, 7): "pip==24.0", (3, 6): "pip==21.3.1"}
@@ -318,7 +317,9 @@ class CatalogOptions:
     repos: Path
     out: Path
     python: dict[str, str] = field(default_factory=dict)  # "3.9" -> base image reference
-    python_default: str = DEFAULT_PYTHON_BASE  # "{python}" template; "" = only the --python ones
+    # A "{python}" template for Pythons without --python; "" (the default): those instances are left out, as a
+    # cluster rarely reaches Docker Hub and a build that fails there loses the whole environment late.
+    python_default: str = ""
     apt: str = "git"  # Debian packages of every Python layer
     pip: str = ""  # the pip requirement of every Python layer; "" = by Python (PIPS)
     cutoff: str = "auto"  # "auto": from the specs' pins (Cutoffs); "none"; or one date for every environment
@@ -558,7 +559,8 @@ def _usable(constants: types.ModuleType, opts: CatalogOptions, repo: str, versio
     base = opts.python.get(spec.python) or (opts.python_default.format(python=spec.python)
                                             if opts.python_default else "")
     if not base:
-        return f"no base image for Python {spec.python} (give --python {spec.python}=IMAGE)"
+        return (f"no base image for Python {spec.python}: give --python {spec.python}=REF (an image with Python "
+                f"{spec.python}), or --python-default TEMPLATE")
     if isinstance(mirror, str):
         return mirror
     setup_commit = _setup_commit(members)
