@@ -33,7 +33,7 @@ def rootfs_layer(rootfs: Path, dest: Path) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not dest.exists():
             tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")
-            with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=6, mtime=0) as gz, \
+            with open(tmp, "wb") as raw, gzip.GzipFile("", "wb", 6, raw, mtime=0) as gz, \
                     tarfile.open(fileobj=gz, mode="w|", format=tarfile.PAX_FORMAT) as tar:
                 for entry in sorted(rootfs.iterdir()):
                     tar.add(entry, arcname=entry.name)
