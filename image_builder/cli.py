@@ -1067,9 +1067,12 @@ def swebench_group():
 @click.option("--exclude-tags", multiple=True, metavar="GLOB",
               help="Tags of the repositories not to copy (a mirror's own, like ib/*): setuptools_scm takes the "
               "nearest tag for the version and fails on one that is not a version.")
+@click.option("--prefix", default="", metavar="NAME",
+              help="Start every environment's name with NAME-: several generated catalogs then build into one "
+              "store, and their equal layers (a Python, a shared repository version) are one image, built once.")
 @_one_line_errors
 def swebench_catalog(dataset, repos, output, pythons, python_default, apt, pip_version, cutoff, index_url,
-                     exclude_tags):
+                     exclude_tags, prefix):
     """Write a catalog building DATASET from the swebench package's specs: one environment per repository and
     version, layered over one per Python, and one thin instance per task."""
     from image_builder.build.swebench_catalog import CatalogOptions, generate
@@ -1087,7 +1090,7 @@ def swebench_catalog(dataset, repos, output, pythons, python_default, apt, pip_v
             raise click.BadParameter(f"{cutoff!r}: expected auto, none or an ISO 8601 date (2024-07-04)",
                                      param_hint="--cutoff") from None
     result = generate(CatalogOptions(dataset, repos, output, mapping, python_default, apt, pip_version, cutoff,
-                                     index_url, tuple(exclude_tags)), progress=lambda line: click.echo(line, err=True))
+                                     index_url, tuple(exclude_tags), prefix), progress=lambda line: click.echo(line, err=True))
     for line in result.skipped:
         click.echo(f"left out: {line}", err=True)
     for line in result.notes:

@@ -324,7 +324,8 @@ def test_two_catalogs_share_a_store_built_from_a_relative_path(tmp_path, tiny_ba
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1] == (
         f"Error: {tmp_path / 'c/third.yaml'}: environment 'tiny' is already in {tmp_path / 'store'} from catalog "
-        "first.yaml; rename it in one of them or build into another store"), r.stderr
+        "first.yaml; rename it in one of them (generated ones: swebench catalog --prefix NAME) or build into "
+        "another store"), r.stderr
     assert read_index(tmp_path / "store") == index, "nothing already built is lost"
     for k in range(2):  # one catalog rebuilt in shards: the merge keeps the other's items
         r = run_cli("build", str(second), "--store", "store", "--cache-dir", "cache", "--ca-cert",

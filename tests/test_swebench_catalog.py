@@ -295,3 +295,24 @@ def test_auto_cutoff_is_the_day_after_the_newest_pinned_release(tmp_path):
         raise AssertionError("an unreachable index must be an error")
     except Exception as e:  # noqa: BLE001 - the one-line SpecError
         assert "give --cutoff DATE, or --cutoff none" in str(e) and type(e).__name__ == "SpecError"
+
+
+def test_prefixed_catalogs_name_apart_and_declare_equal_python_layers(tmp_path):
+    """Two generated catalogs into one store: --prefix keeps their names apart (the store refuses a name two
+    catalogs declare), and their Python layers are declared alike, so they share one image by build key."""
+    envs = {}
+    for prefix in ("lite", "verified"):
+        (tmp_path / prefix).mkdir()
+        assert generate(tmp_path / prefix, MARSHMALLOW, "--prefix", prefix).returncode == 0
+        catalog = load(tmp_path / prefix / "swe.yaml")
+        envs[prefix] = catalog.environments
+        assert catalog.instances and all(i.environment in envs[prefix] for i in catalog.instances.values())
+        assert envs[prefix] and all(name.startswith(f"{prefix}-") for name in envs[prefix]), sorted(envs[prefix])
+        assert all(e.parent is None or e.parent.startswith(f"{prefix}-") for e in envs[prefix].values())
+    lite, verified = envs["lite"]["lite-python-3.9"], envs["verified"]["verified-python-3.9"]
+    assert (lite.base, [s.name for s in lite.scripts], lite.env) == \
+        (verified.base, [s.name for s in verified.scripts], verified.env)
+
+    r = generate(tmp_path, MARSHMALLOW, "--prefix", "../x")
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "--prefix '../x': letters, digits and . _ + - only" in r.stderr and not (tmp_path / "swe.yaml").exists()

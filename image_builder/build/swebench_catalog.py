@@ -327,11 +327,19 @@ class CatalogOptions:
     # Tags not to copy (globs): a mirror's own helper tags are not upstream's, and a build tool reading the
     # nearest tag as the version (setuptools_scm) fails on one that is not a version.
     exclude_tags: tuple[str, ...] = ()
+    # Put before every environment's name, so that several generated catalogs build into one store: the names
+    # differ, and layers that come out equal (a Python, a repository version of two datasets) share one image
+    # by their build key, built once.
+    prefix: str = ""
 
 
 def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line: None) -> Generated:
     """`progress`: one line per repository read and per repository version prepared (cutting bundles of a
     large history takes minutes)."""
+    if opts.prefix and not VERSION.match(opts.prefix):
+        raise SpecError(f"--prefix {opts.prefix!r}: letters, digits and . _ + - only (it starts every environment's "
+                        "name)")
+    named = f"{opts.prefix}-" if opts.prefix else ""
     constants = load_swebench()
     parsers = log_parsers()
     rows = {rid: record for rid, record in read_records(opts.dataset)}
@@ -389,7 +397,7 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
         for done, (repo, version, spec, base, mirror, requirements, members) in enumerate(usable, 1):
             progress(f"{repo} {version}: {len(members)} instance{'s' if len(members) != 1 else ''} "
                      f"({done} of {len(usable)})")
-            python_env = f"python-{spec.python}"
+            python_env = f"{named}python-{spec.python}"
             pip = opts.pip or spec.pip
             if python_env not in python_envs:
                 python_envs.add(python_env)
@@ -407,7 +415,7 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
             try:
                 # The repository's history shared by all its versions on this Python: up to the merge-base of
                 # every one of their instances' base commits (what each of them may see).
-                history = f"{slug(repo)}-py{spec.python}-history"
+                history = f"{named}{slug(repo)}-py{spec.python}-history"
                 if (repo, spec.python) not in histories:
                     histories[repo, spec.python] = None  # a failed history leaves out every version on it
                     shared = mirror.merge_base([t.base_commit for r, _, sp, _, _, _, ms in usable
@@ -417,7 +425,7 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
                     histories[repo, spec.python] = shared
                 if histories[repo, spec.python] is None:
                     raise SpecError(f"the history of {repo} on Python {spec.python} could not be cut")
-                env_name = f"{slug(repo)}-{version}"
+                env_name = f"{named}{slug(repo)}-{version}"
                 deps_dir = context / "envs" / f"{env_name}-deps"
                 deps_dir.mkdir(parents=True, exist_ok=True)
                 _write_if_changed(deps_dir / "requirements.txt", requirements)
@@ -468,7 +476,7 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
     doc = {"environments": environments,
            "instance_sets": [{"from": _relative(opts.dataset, opts.out.parent),
                               "only": {"instance_id": sorted(ids)},
-                              "environment": "{repo_slug}-{version}", "script": "swebench-instance.sh",
+                              "environment": named + "{repo_slug}-{version}", "script": "swebench-instance.sh",
                               "context": _relative(context / "instances", opts.out.parent) + "/{instance_file}",
                               "env": {"BASE_COMMIT": "{base_commit}", "INSTALL": install, "PRE_INSTALL": pre_install,
                                       "REINSTALL_WHEN": REINSTALL_WHEN},
