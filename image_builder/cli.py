@@ -1090,7 +1090,8 @@ def swebench_catalog(dataset, repos, output, pythons, python_default, apt, pip_v
             raise click.BadParameter(f"{cutoff!r}: expected auto, none or an ISO 8601 date (2024-07-04)",
                                      param_hint="--cutoff") from None
     result = generate(CatalogOptions(dataset, repos, output, mapping, python_default, apt, pip_version, cutoff,
-                                     index_url, tuple(exclude_tags), prefix), progress=lambda line: click.echo(line, err=True))
+                                     index_url, tuple(exclude_tags), prefix),
+                      progress=lambda line: click.echo(line, err=True))
     for line in result.skipped:
         click.echo(f"left out: {line}", err=True)
     for line in result.notes:

@@ -16,7 +16,7 @@ MARSHMALLOW = DATA / "swebench_marshmallow.jsonl"
 
 def generate(tmp: Path, dataset: Path, *extra: str) -> subprocess.CompletedProcess:
     return run_cli("swebench", "catalog", str(dataset), "--repos", str(DATA / "repos"), "-o",
-                   str(tmp / "swe.yaml"), "--python", "3.9=registry.example/python:3.9", "--python-default", "",
+                   str(tmp / "swe.yaml"), "--python", "3.9=registry.example/python:3.9",
                    "--cutoff", "2024-07-04", *extra)
 
 
@@ -69,7 +69,7 @@ def _marshmallow_with(tmp: Path, files: dict[str, str], *extra: str) -> dict:
     dataset = tmp / "c.jsonl"
     dataset.write_text(json.dumps({**row, "base_commit": head, "environment_setup_commit": head}) + "\n")
     r = run_cli("swebench", "catalog", str(dataset), "--repos", str(tmp), "-o", str(tmp / "c.yaml"),
-                "--python", "3.9=registry.example/python:3.9", "--python-default", "", *extra)
+                "--python", "3.9=registry.example/python:3.9", *extra)
     assert r.returncode == 0, r.stderr
     return load(tmp / "c.yaml").environments
 
@@ -200,7 +200,7 @@ def test_relative_paths_make_a_catalog_that_works_from_any_cwd(tmp_path):
     (work / "repos").symlink_to(DATA / "repos")
     (work / "swebench.jsonl").write_text(MARSHMALLOW.read_text())
     r = run_cli("swebench", "catalog", "swebench.jsonl", "--repos", "repos", "-o", "out/swe.yaml",
-                "--python", "3.9=registry.example/python:3.9", "--python-default", "", cwd=work)
+                "--python", "3.9=registry.example/python:3.9", cwd=work)
     assert r.returncode == 0, r.stderr
     assert "2 repository environments, 2 instances (0 left out)" in r.stdout
     elsewhere = tmp_path / "elsewhere"

@@ -43,7 +43,7 @@ def test_dev_instances_build_thin_and_gold_resolves(tmp_path, registries, debian
     rows = [json.loads(line) for line in (SHARED_DATA / "swebench_dev.jsonl").read_text().splitlines()]
     dataset = SHARED_DATA / "swebench_dev.jsonl"
     r = run_cli("swebench", "catalog", str(dataset), "--repos", str(SHARED_DATA / "repos"), "-o",
-                str(tmp_path / "swe/dev.yaml"), "--python", f"3.9={debian_bullseye_base}", "--python-default", "",
+                str(tmp_path / "swe/dev.yaml"), "--python", f"3.9={debian_bullseye_base}",
                 "--exclude-tags", "ib/*")  # the bundles tag the commits they hold as ib/cN: not upstream tags
     assert r.returncode == 0 and "13 repository environments, 23 instances (0 left out)" in r.stdout, r.stderr
     build = BuildOptions(store=tmp_path / "store", cache=BlobCache(tmp_path / "cache"),

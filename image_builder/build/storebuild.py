@@ -301,8 +301,8 @@ def _check_ownership(store: Path, catalog: Catalog) -> None:
             owner = held[name].catalog if name in held else ""
             if owner not in ("", mine):
                 raise ImageBuilderError(f"{catalog.path}: {kind} {shown_id(name)} is already in {store} from "
-                                        f"catalog {owner}; rename it in one of them (generated ones: swebench catalog --prefix NAME) "
-                                        "or build into another store")
+                                        f"catalog {owner}; rename it in one of them (generated ones: swebench "
+                                        "catalog --prefix NAME) or build into another store")
 
 
 def write_fragment(store: Path, name: str, envs: dict[str, EnvRecord], instances: dict[str, InstanceRecord]
