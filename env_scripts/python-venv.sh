@@ -15,6 +15,10 @@
 #                     that need options a newer pip dropped (--no-use-pep517, gone in pip 25.3) (optional)
 #   /build/wheels/    wheels from the build context, installed first (optional)
 #   /build/requirements.txt  (optional)
+#   /build/optional.txt  requirements each installed where the index has wheels for it (with the pins of
+#                     PYTHON_PACKAGES), else left out with a line: a conda environment.yml's packages by
+#                     their PyPI names, where conda-only ones (hdf5) and source-only builds (cartopy) are
+#                     expected (optional)
 set -eu
 PYTHON="${PYTHON:-python3}"
 VENV="${VENV-/opt/venv}"
@@ -44,6 +48,50 @@ if [ -d /build/wheels ]; then
 fi
 if [ -f /build/requirements.txt ]; then
     pip install -r /build/requirements.txt
+fi
+if [ -f /build/optional.txt ]; then
+    # Before the packages, held to their pins: SWE-bench's order (the conda environment, then pip_packages).
+    for p in ${PYTHON_PACKAGES:-}; do case "$p" in *\[*) ;; *==*) echo "$p" ;; esac; done > /tmp/pins.txt
+    # All at once resolves them together; else one by one, so that one missing wheel leaves out only itself.
+    if ! pip install --only-binary :all: -c /tmp/pins.txt -r /build/optional.txt; then
+        grep -v '^#' /build/optional.txt | while read -r requirement; do
+            [ -n "$requirement" ] || continue
+            pip install -q --only-binary :all: -c /tmp/pins.txt "$requirement" ||
+                echo "image-builder: left out $requirement (no wheel of it that fits the pins and Python)" >&2
+        done
+    fi
+    rm -f /tmp/pins.txt
+    # A package whose import fails other than by ImportError is worse than none: tests skip an absent optional
+    # dependency (pytest.importorskip) but stop at cfgrib raising RuntimeError for want of conda's ecCodes.
+    "$PY" - <<'PYTHON' | while read -r broken; do pip uninstall -q -y "$broken"; done
+import re, subprocess, sys
+try:
+    import importlib.metadata as md
+except ImportError:  # Python < 3.8: not checked
+    sys.exit(0)
+for line in open("/build/optional.txt"):
+    name = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", line)
+    if line.lstrip().startswith("#") or not name:
+        continue
+    try:
+        dist = md.distribution(name.group(1))
+    except md.PackageNotFoundError:
+        continue
+    tops = (dist.read_text("top_level.txt") or "").split()
+    if not tops:  # wheels without top_level.txt: the first part of each module's path
+        tops = sorted({str(f).split("/")[0] for f in dist.files or () if str(f).endswith(".py")})
+    for top in (t[:-3] if t.endswith(".py") else t for t in tops):
+        if not top.isidentifier():
+            continue
+        r = subprocess.run([sys.executable, "-c", f"try:\n import {top}\nexcept ImportError: pass"],
+                           capture_output=True, text=True, timeout=300)
+        if r.returncode:
+            why = (r.stderr.strip().splitlines() or ["no output"])[-1][:160]
+            name = dist.metadata["Name"]  # Distribution.name is 3.10+
+            print(f"image-builder: left out {name} (import {top} fails: {why})", file=sys.stderr)
+            print(name)
+            break
+PYTHON
 fi
 if [ -n "${PYTHON_PACKAGES:-}" ]; then
     # shellcheck disable=SC2086  # one argument per requirement

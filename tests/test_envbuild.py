@@ -312,6 +312,41 @@ def test_venv_with_a_wheel_from_the_build_context(tmp_path, debian_base, registr
         subprocess.run(["umount", str(mnt)], check=True)
 
 
+def test_optional_requirements_install_each_one_that_has_a_wheel(tmp_path, debian_base, registries):
+    """A conda environment.yml's packages by PyPI name (swebench catalog): one the index lacks is left out with a
+    line, the rest installed, and the spec's pins hold them (a wheel the pins exclude is left out too)."""
+    context = tmp_path / "context"
+    (context / "links").mkdir(parents=True)
+    wheel(context / "links")
+    wheel(context / "links", name="pinned", value="1")
+    wheel(context / "links", name="cfgrib", value="1 / 0")  # its C library missing: not an ImportError
+    wheel(context / "links", name="optional_dep", value="__import__('absent')")  # an ImportError: kept
+    (context / "optional.txt").write_text("# from environment.yml (conda), as PyPI names\nhello\nhdf5\npinned>=1.0\n"
+                                          "cfgrib\noptional_dep\n")
+    scripts = {"python-venv.sh": (ROOT / "env_scripts/python-venv.sh").read_text()}
+    cat = write_catalog(tmp_path, [{"name": "optional", "base": debian_base, "scripts": ["python-venv.sh"],
+                                    "context": "context",
+                                    "env": {"VENV": "/opt/venv", "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": "/build/links",
+                                            "PYTHON_PACKAGES": "pinned==0.9"}}], scripts)
+    with pytest.raises(BuildFailed):  # pinned 0.9 is not there: the spec's own packages must install
+        build_env(load(cat).environments["optional"], options(tmp_path, registries.tls.cert))
+    log = next((tmp_path / "store").rglob("*python-venv.sh.log")).read_text()
+    assert "image-builder: left out hdf5 (no wheel of it" in log
+    assert "image-builder: left out pinned>=1.0 (no wheel of it" in log, "held to the spec's pin"
+    assert "left out hello" not in log
+
+    doc = yaml.safe_load(cat.read_text())
+    doc["environments"][0]["env"]["PYTHON_PACKAGES"] = "pinned==1.0"
+    cat.write_text(yaml.safe_dump(doc, sort_keys=False))
+    result = build_env(load(cat).environments["optional"], options(tmp_path, registries.tls.cert))
+    site = "opt/venv/lib/python3.11/site-packages"
+    files = sif_files(result.sif, tmp_path, *(f"{site}/{name}/__init__.py" for name in
+                                              ("hello", "pinned", "hdf5", "cfgrib", "optional_dep")))
+    assert list(files.values()) == ["VALUE = 42\n", "VALUE = 1\n", None, None, "VALUE = __import__('absent')\n"]
+    log = next((tmp_path / "store").rglob("*python-venv.sh.log")).read_text()
+    assert "image-builder: left out cfgrib (import cfgrib fails: ZeroDivisionError: division by zero)" in log
+
+
 def unprivileged_build(tmp_root: Path, catalog: Path, ca: Path, backend: str) -> subprocess.CompletedProcess:
     tmp_root.chmod(0o777)
     return run_cli("build", str(catalog), "--store", str(tmp_root / "store"), "--cache-dir", str(tmp_root / "cache"),

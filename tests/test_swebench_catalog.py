@@ -6,6 +6,8 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from image_builder.build.catalog import load
 from tests.conftest import run_cli
 
@@ -54,9 +56,11 @@ def test_catalog_from_the_specs_layers_history_and_builds_each_instance_once(tmp
     assert "python-3.9-cc" not in envs, "marshmallow has no C sources: no compiler layer"
 
 
-def _marshmallow_with(tmp: Path, files: dict[str, str], *extra: str) -> dict:
-    """A catalog of marshmallow 3.0's instance on a commit adding FILES; its environments by name."""
-    repo = tmp / "marshmallow"
+def _marshmallow_with(tmp: Path, files: dict[str, str], *extra: str, row: dict | None = None) -> dict:
+    """A catalog of marshmallow 3.0's instance on a commit adding FILES (its dataset row changed by ROW: another
+    repository's spec over marshmallow's history); its environments by name."""
+    changed = row or {}
+    repo = tmp / changed.get("repo", "marshmallow").split("/")[-1]
     subprocess.run(["git", "clone", "-q", str(DATA / "repos/marshmallow.bundle"), str(repo)], check=True)
     row = [json.loads(line) for line in MARSHMALLOW.read_text().splitlines()][1]
     git(repo, "checkout", "-q", row["base_commit"])
@@ -67,11 +71,75 @@ def _marshmallow_with(tmp: Path, files: dict[str, str], *extra: str) -> dict:
     git(repo, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "-m", "c")
     head = git(repo, "rev-parse", "HEAD").strip()
     dataset = tmp / "c.jsonl"
-    dataset.write_text(json.dumps({**row, "base_commit": head, "environment_setup_commit": head}) + "\n")
+    dataset.write_text(json.dumps({**row, "base_commit": head, "environment_setup_commit": head, **changed}) + "\n")
     r = run_cli("swebench", "catalog", str(dataset), "--repos", str(tmp), "-o", str(tmp / "c.yaml"),
-                "--python", "3.9=registry.example/python:3.9", *extra)
+                "--python", "3.9=registry.example/python:3.9", "--python", "3.10=registry.example/python:3.10", *extra)
     assert r.returncode == 0, r.stderr
+    (tmp / "c.stderr").write_text(r.stderr)
     return load(tmp / "c.yaml").environments
+
+
+XARRAY_YML = """name: xarray-tests
+channels: [conda-forge, nodefaults]
+dependencies:
+  - python=3.8
+  - pip
+  - numpy
+  - matplotlib-base
+  - conda-forge::netcdf4>=1.5
+  - pandas=1.1
+  - scipy 1.5.*
+  - dask >=2.9,<3
+  - pytables
+  - hdf5
+  - iris
+  - pint=0.16=pyhd8ed1ab_0
+  - numpy
+  - pip:
+      - numbagg
+      - --index-url http://evil.example/simple
+      - git+https://evil.example/pkg.git
+"""
+
+
+def test_a_conda_environment_yml_installs_its_packages_by_pypi_name(tmp_path):
+    """xarray's spec names ci/requirements/environment.yml: read at the setup commit, conda's match specs become
+    pip requirements (renames, fuzzy `=`), the repository's pip options and URLs are not taken, and each
+    instance says what of the spec is not carried out."""
+    envs = _marshmallow_with(tmp_path, {"ci/requirements/environment.yml": XARRAY_YML}, "--cutoff", "none",
+                             row={"repo": "pydata/xarray", "version": "0.12", "instance_id": "pydata__xarray-1"})
+    deps = envs["pydata__xarray-0.12-deps"]
+    assert deps.parent == "pydata__xarray-py3.10-history" and "numpy==1.23.0" in deps.env["PYTHON_PACKAGES"]
+    assert (deps.context / "optional.txt").read_text().splitlines()[1:] == [
+        "numpy", "matplotlib", "netcdf4>=1.5", "pandas==1.1.*", "scipy==1.5.*", "dask>=2.9,<3", "tables",
+        "scitools-iris", "pint==0.16.*", "numbagg"]
+    assert not (deps.context / "requirements.txt").exists()
+    stderr = (tmp_path / "c.stderr").read_text()
+    note = next(line for line in stderr.splitlines() if line.startswith("note: pydata__xarray-1: not carried out"))
+    assert "conda ci/requirements/environment.yml (no conda solver here)" in note
+    assert "; left out hdf5: a conda-only library" in note
+    assert "left out --index-url http://evil.example/simple: not a plain requirement" in note
+    assert "left out git+https://evil.example/pkg.git: not a plain requirement" in note
+    assert "no_use_env" not in stderr, "it only chooses between two conda commands"
+
+
+def test_an_unreadable_environment_yml_leaves_out_its_instances(tmp_path):
+    dataset_row = {"repo": "pydata/xarray", "version": "0.12", "instance_id": "pydata__xarray-2"}
+    with pytest.raises(AssertionError, match="no instance can be built; first: pydata__xarray-2: ci/requirements/"
+                       "environment.yml: no `dependencies` list at "):
+        _marshmallow_with(tmp_path, {"ci/requirements/environment.yml": "dependencies: {numpy: 1}\n"},
+                          "--cutoff", "none", row=dataset_row)
+
+
+def test_conda_match_specs_as_pip_requirements():
+    from image_builder.build.environment_yml import EnvironmentYmlError, pip_requirements
+    made = pip_requirements("dependencies:\n- numpy=1.17=py38_0\n- \"scipy[version='>=1.0']\"\n- x >=1|<0\n"
+                            "- {other: 1}\n- geopandas-base\n- msgpack-python\n", "e.yml")
+    assert made.requirements == ("numpy==1.17.*", "scipy", "geopandas", "msgpack")
+    assert [x.split(":")[0] for x in made.left_out] == ["x >=1|<0", "{'other'"]
+    for bad in ("[1, 2]", "dependencies: 3", ": :"):
+        with pytest.raises(EnvironmentYmlError, match="^e.yml: "):
+            pip_requirements(bad, "e.yml")
 
 
 def test_a_repository_with_c_sources_gets_a_compiler_layer(tmp_path):
@@ -144,8 +212,8 @@ def test_specs_that_cannot_be_honoured_are_reported_per_instance(tmp_path):
     assert "left out: nobody__nothing-1: swebench has no spec for repository nobody/nothing" in lines
     assert any(line.startswith("left out: marshmallow-code__marshmallow-9: swebench has no spec for "
                                "marshmallow-code/marshmallow version '0.1'") for line in lines)
-    assert "left out: matplotlib__matplotlib-1: matplotlib/matplotlib 3.5 needs a conda environment.yml " \
-           "(conda-only packages)" in lines
+    assert "left out: matplotlib__matplotlib-1: no base image for Python 3.11: give --python 3.11=REF (an image " \
+        "with Python 3.11), or --python-default TEMPLATE" in lines
     assert any(line.startswith("left out: marshmallow-code__marshmallow-8: commit '0000") for line in lines)
     assert any(line.startswith("left out: pallets__flask-1: no repository for pallets/flask") for line in lines)
     assert "left out: pallets__flask-2: no base image for Python 3.11: give --python 3.11=REF (an image with " \

@@ -9,8 +9,8 @@ as layers, each stored once however many environments share it:
 
     python-3.9                     base image + git + pip, into the interpreter itself (no venv)
       python-3.9-cc                a compiler and Python's headers (repositories with C/Cython sources)
-      <repo>-<version>-deps        the spec's packages, resolved as of its cut-off day (equal specs: one
-                                   image)
+      <repo>-<version>-deps        the spec's packages (and its environment.yml's), resolved as of its
+                                   cut-off day (equal specs: one image)
         <repo>-<version>           the repository's history up to the merge-base
                                    of its instances' base commits, checked out
                                    there, pre_install, install
@@ -33,10 +33,15 @@ environment. The interpreter is the environment's, as SWE-bench's conda env is:
 tox-current-env links `.tox/*/bin/python` to it, and a link to a venv's python
 finds no pyvenv.cfg beside it and loses the venv's packages.
 
+A spec whose packages are a conda environment.yml (xarray, matplotlib) gets the
+file's packages by their PyPI names (environment_yml.py), each one PyPI has as
+wheels, before the spec's pins: a cluster reaches PyPI more often than a conda
+channel; what this leaves out is said per instance and in the build log.
+
 The bundles cut this way go into a context directory beside the catalog
-(`<catalog>.d/`). Specs that cannot be honoured here (conda environment.yml,
-non-Python specs, a Python with no base image, a missing commit or an unreadable
-object) are reported per instance, one line each, and the rest is written.
+(`<catalog>.d/`). Specs that cannot be honoured here (non-Python specs, a Python
+with no base image, a missing commit or an unreadable object) are reported per
+instance, one line each, and the rest is written.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ from typing import Any
 
 import yaml
 
+from image_builder.build.environment_yml import EnvironmentYmlError, PipRequirements, pip_requirements
 from image_builder.build.upload_dates import DEFAULT_INDEX, UploadDateError, UploadDates, day_after, iso, \
     parse_time, pins
 from image_builder.errors import ImageBuilderError
@@ -102,6 +108,7 @@ class Spec:
     install: str
     test_cmd: str
     not_run: tuple[str, ...] = ()  # parts of the spec this builder does not carry out (said per instance)
+    environment_yml: tuple[str, ...] = ()  # conda environment files to read at environment_setup_commit
 
     @property
     def version(self) -> tuple[int, ...]:
@@ -207,21 +214,22 @@ def spec_of(constants: types.ModuleType, repo: str, version: str) -> Spec | str:
     if "docker_specs" in raw or "python" not in raw:
         return f"the spec for {repo} {version} is not a Python one (swebench builds it from a Dockerfile)"
     packages = raw.get("packages", "")
-    if packages == "environment.yml":
-        return f"{repo} {version} needs a conda environment.yml (conda-only packages)"
     requirements: tuple[str, ...] = ()
     listed: tuple[str, ...] = ()
-    if packages == "requirements.txt":
+    environment_yml: tuple[str, ...] = ()
+    if packages == "environment.yml":
+        environment_yml = tuple(getattr(constants, "MAP_REPO_TO_ENV_YML_PATHS", {}).get(repo) or ("environment.yml",))
+    elif packages == "requirements.txt":
         requirements = tuple(getattr(constants, "MAP_REPO_TO_REQS_PATHS", {}).get(repo) or ("requirements.txt",))
     elif packages:  # a conda package list: the same names on PyPI
         listed = tuple(shlex.split(packages))
     test_cmd = raw.get("test_cmd") or "pytest -rA"
     if isinstance(test_cmd, list):
         test_cmd = " && ".join(test_cmd)
-    not_run = [f"{key} ({raw[key]!r})" for key in ("eval_commands", "execute_test_as_nonroot", "no_use_env")
-               if raw.get(key)]
+    # no_use_env only chooses between two conda commands that make the same environment.
+    not_run = [f"{key} ({raw[key]!r})" for key in ("eval_commands", "execute_test_as_nonroot") if raw.get(key)]
     return Spec(str(raw["python"]), requirements, (*listed, *raw.get("pip_packages", ())),
-                tuple(raw.get("pre_install", ())), raw.get("install", ""), test_cmd, tuple(not_run))
+                tuple(raw.get("pre_install", ())), raw.get("install", ""), test_cmd, tuple(not_run), environment_yml)
 
 
 class Repository:
@@ -369,7 +377,7 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
     sets: dict[tuple[str, str, str, str], list[str]] = {}  # (repo, test_cmd, install, pre_install) -> ids
     with tempfile.TemporaryDirectory(prefix="ib-swebench-") as tmp:
         mirrors: dict[str, Repository | str] = {}
-        usable = []  # (repo, version, spec, base, mirror, requirements, members) that can be built
+        usable: list[Buildable] = []
         for (repo, version), members in groups.items():
             if repo not in mirrors:
                 source = _find_source(opts.repos, repo)
@@ -384,17 +392,18 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
             if isinstance(found, str):
                 result.skipped.extend(f"{t.original_id}: {found}" for t, _ in members)
             else:
-                usable.append((repo, version, *found, members))
+                usable.append(found)
 
         # Whether each repository builds extensions on a Python: then its layers sit on a compiler layer.
         compiles: dict[tuple[str, str], bool] = {}
-        for repo, version, spec, base, mirror, requirements, members in usable:
-            compiles[repo, spec.python] = compiles.get((repo, spec.python), False) or \
-                mirror.compiles(_setup_commit(members))
+        for u in usable:
+            compiles[u.repo, u.spec.python] = compiles.get((u.repo, u.spec.python), False) or \
+                u.mirror.compiles(_setup_commit(u.members))
 
         python_envs: set[str] = set()
         histories: dict[tuple[str, str], str | None] = {}  # (repo, python) -> its history's merge-base, or None
-        for done, (repo, version, spec, base, mirror, requirements, members) in enumerate(usable, 1):
+        for done, u in enumerate(usable, 1):
+            repo, version, spec, base, mirror, members = u.repo, u.version, u.spec, u.base, u.mirror, u.members
             progress(f"{repo} {version}: {len(members)} instance{'s' if len(members) != 1 else ''} "
                      f"({done} of {len(usable)})")
             python_env = f"{named}python-{spec.python}"
@@ -418,8 +427,9 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
                 history = f"{named}{slug(repo)}-py{spec.python}-history"
                 if (repo, spec.python) not in histories:
                     histories[repo, spec.python] = None  # a failed history leaves out every version on it
-                    shared = mirror.merge_base([t.base_commit for r, _, sp, _, _, _, ms in usable
-                                                if r == repo and sp.python == spec.python for t, _ in ms])
+                    shared = mirror.merge_base([t.base_commit for other in usable
+                                                if other.repo == repo and other.spec.python == spec.python
+                                                for t, _ in other.members])
                     environments.append(_repo_env(history, below, context / "envs" / history, opts.out,
                                                   mirror, shared, None, {}))
                     histories[repo, spec.python] = shared
@@ -428,7 +438,13 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
                 env_name = f"{named}{slug(repo)}-{version}"
                 deps_dir = context / "envs" / f"{env_name}-deps"
                 deps_dir.mkdir(parents=True, exist_ok=True)
-                _write_if_changed(deps_dir / "requirements.txt", requirements)
+                _write_if_changed(deps_dir / "requirements.txt", u.requirements)
+                _write_if_changed(deps_dir / "optional.txt", u.optional_text)
+                if u.optional:
+                    left = "".join(f"; left out {x}" for x in u.optional.left_out)
+                    result.notes += [f"{t.original_id}: not carried out: conda {u.optional_source} (no conda "
+                                     f"solver here): its packages from PyPI by name where PyPI has them as wheels, "
+                                     f"the rest left out at build, named in its log{left}" for t, _ in members]
                 deps_env = {"PYTHON_PACKAGES": " ".join(spec.packages)}
                 cutoff = cutoffs.of(repo, version, spec, [r for _, r in members])
                 if cutoff and _takes_cutoff(pip):
@@ -558,9 +574,31 @@ def _setup_commit(members: list[tuple[RepoTask, dict]]) -> str:
     return str(members[0][1].get("environment_setup_commit") or members[0][0].base_commit)
 
 
+@dataclass(frozen=True)
+class Buildable:
+    """One repository version whose spec this builder can honour, with what its deps layer installs."""
+    repo: str
+    version: str
+    spec: Spec
+    base: str  # the Python's base image
+    mirror: Repository
+    members: list[tuple[RepoTask, dict]]  # its instances and their dataset rows
+    requirements: str | None = None  # the spec's requirements file, as SWE-bench reads it
+    optional: PipRequirements | None = None  # from the spec's environment.yml
+    optional_source: str = ""  # the environment.yml's path in the repository
+
+    @property
+    def optional_text(self) -> str | None:
+        """optional.txt of the deps layer's context (python-venv.sh installs each it can)."""
+        if not self.optional:
+            return None
+        return f"# from {self.optional_source} (conda), as PyPI names\n" + "".join(
+            f"{r}\n" for r in self.optional.requirements)
+
+
 def _usable(constants: types.ModuleType, opts: CatalogOptions, repo: str, version: str, members: list,
-            mirror: Repository | str) -> tuple[Spec, str, Repository, str | None] | str:
-    """(spec, base image, repository, requirements text) for one repo and version, or why it cannot be built."""
+            mirror: Repository | str) -> Buildable | str:
+    """What one repo and version's layers are made of, or why it cannot be built."""
     spec = spec_of(constants, repo, version)
     if isinstance(spec, str):
         return spec
@@ -580,7 +618,19 @@ def _usable(constants: types.ModuleType, opts: CatalogOptions, repo: str, versio
         requirements = requirements_text(mirror, setup_commit, spec.requirements)
         if requirements is None:
             return f"none of {', '.join(spec.requirements)} exists at {setup_commit[:12]} in {mirror.source}"
-    return spec, base, mirror, requirements
+    optional, optional_source = None, ""
+    for path in spec.environment_yml:
+        text = mirror.show(setup_commit, path)
+        if text is not None:
+            try:
+                optional, optional_source = pip_requirements(text, path), path
+            except EnvironmentYmlError as e:
+                return f"{e} at {setup_commit[:12]}"
+            break
+    else:
+        if spec.environment_yml:
+            return f"none of {', '.join(spec.environment_yml)} exists at {setup_commit[:12]} in {mirror.source}"
+    return Buildable(repo, version, spec, base, mirror, members, requirements, optional, optional_source)
 
 
 def _repo_env(name: str, parent: str, context: Path, catalog: Path, mirror: Repository, head: str,
