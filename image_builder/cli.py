@@ -510,10 +510,11 @@ def _has(layers, path: str) -> bool:
 @runtime_backend_option
 @_one_line_errors
 def serve(store, env_name, host, port, token_file, no_token, max_concurrency, queue, body_limit, backend):
-    """Serve SandboxFusion's API (POST /run_code, GET /health) over an environment of STORE.
+    """Serve SandboxFusion's API (POST /run_code, POST /submit, GET /health) over an environment of STORE.
 
-    Each run gets a fresh root and no network, as `run`. The verdict is the exit
-    status (SandboxFusion's): grade rewards with compute_score/grade instead.
+    Each run gets a fresh root and no network, as `run`. /run_code's verdict is the
+    exit status (SandboxFusion's); /submit's (CommonOJDataset, MBPPDataset with
+    config.provided_data) are the graders', as `grade` gives them.
     """
     import ipaddress
     import signal
@@ -595,7 +596,8 @@ def _with(options):
 
 # What grade and slurm grade take beyond the limits (grade passes them on to every array task).
 grade_run_options = [
-    click.option("--compare", type=click.Choice(["exact", "tokens", "float", "livecodebench", "checker"]),
+    click.option("--compare", type=click.Choice(["exact", "tokens", "float", "livecodebench", "sandboxfusion",
+                                                 "checker"]),
                  help="How stdin/stdout output is compared, for tasks whose record does not say (default: by data "
                  "source: float for CodeContests/Codeforces, else LiveCodeBench's)."),
     click.option("--instance", metavar="ID", help="Grade tasks that have no instance of their own in this one."),

@@ -1,11 +1,12 @@
-"""`image-builder serve`: SandboxFusion's HTTP API (`POST /run_code`, `GET /health`) over a store's environment.
+"""`image-builder serve`: SandboxFusion's HTTP API (`POST /run_code`, `POST /submit`, `GET /health`) over a store's
+environment.
 
 Trainers and tools written for SandboxFusion's client run code here unchanged. Every run is what
 `image-builder run` gives: a fresh throwaway root over the environment's read-only layers, no network,
 the process tree killed at the timeout, through one warm runtime session shared by the server's threads.
 
-The verdict is the exit status, as SandboxFusion's is (code that calls `sys.exit(0)` "passes"): graded
-rewards use `image_builder.rewards.compute_score` / `grade`, whose verdicts the candidate cannot forge.
+/run_code's verdict is the exit status, as SandboxFusion's is (code that calls `sys.exit(0)` "passes"); /submit's
+are the graders' (submit.py), which the candidate cannot forge, as are `image_builder.rewards.compute_score`'s.
 
 Guarding a shared node: a bearer token (another user on the node can reach a loopback port too), at most
 `max_concurrency` runs at once with a short queue (past it, 503 with Retry-After, so clients back off
@@ -33,6 +34,7 @@ from pathlib import Path
 from image_builder.errors import ImageBuilderError
 from image_builder.runtime.execution import RunRequest, RunResult
 from image_builder.runtime.session import InstanceLayers
+from image_builder.submit import BadSubmit, Submission, evaluate, parse_submit
 
 DEFAULT_BODY_LIMIT = 16 << 20
 # Bytes kept of stdout and of stderr each (fetched files ride on stderr: see _fetch_script).
@@ -380,7 +382,8 @@ def make_app(runner: Runner, token: str | None, limits: Limits = Limits(),
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def run_code(request):
+    async def served(request, parse: Callable, work: Callable, what: str):
+        """Authorized, size-checked, parsed, admitted (or 503), then `work(parsed)` on a worker thread."""
         if not authorized(request):
             return refused(401, "missing or wrong token (Authorization: Bearer TOKEN)", {"WWW-Authenticate": "Bearer"})
         try:
@@ -388,21 +391,40 @@ def make_app(runner: Runner, token: str | None, limits: Limits = Limits(),
         except _TooLarge:
             return refused(413, f"request body over {limits.body_limit} bytes")
         try:
-            parsed = parse_request(json.loads(body))
-        except (ValueError, RecursionError) as exc:  # JSONDecodeError and BadRequest are ValueErrors
-            return refused(400, f"not a /run_code request: {exc}")
+            parsed = parse(json.loads(body))
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError, BadRequest and BadSubmit are ValueErrors
+            return refused(400, f"not a {what} request: {exc}")
         if state["admitted"] >= limits.max_concurrency + limits.queue:
             return refused(503, f"busy: {limits.max_concurrency} runs and {limits.queue} queued; retry",
                            {"Retry-After": RETRY_AFTER})
         state["admitted"] += 1
         try:
-            response = await asyncio.get_running_loop().run_in_executor(pool, runner.run, parsed)
-        except Exception as exc:  # a fault of ours (the runtime's expected ones are answered in Runner.run)
-            log(f"run failed: {type(exc).__name__}: {' '.join(str(exc).splitlines())}")
-            response = RunCodeResponse("SandboxError", f"the sandbox failed: {type(exc).__name__}: {exc}")
+            answer = await asyncio.get_running_loop().run_in_executor(pool, work, parsed)
+            return answer if isinstance(answer, JSONResponse) else JSONResponse(answer)
         finally:
             state["admitted"] -= 1
-        return JSONResponse(response.to_json())
+
+    def run(parsed: RunCodeRequest) -> dict:
+        try:
+            return runner.run(parsed).to_json()
+        except Exception as exc:  # a fault of ours (the runtime's expected ones are answered in Runner.run)
+            log(f"run failed: {type(exc).__name__}: {' '.join(str(exc).splitlines())}")
+            return RunCodeResponse("SandboxError", f"the sandbox failed: {type(exc).__name__}: {exc}").to_json()
+
+    def evaluated(parsed: Submission) -> dict | JSONResponse:
+        try:
+            return evaluate(parsed, runner.session).to_json()
+        except BadSubmit as exc:  # the row is not its class's: SandboxFusion answers 400 too
+            return refused(400, f"not a /submit request: {exc}")
+        except Exception as exc:  # a fault of ours: graders answer every candidate with a record
+            log(f"submit failed: {type(exc).__name__}: {' '.join(str(exc).splitlines())}")
+            return refused(500, f"grading failed: {type(exc).__name__}: {exc}")
+
+    async def run_code(request):
+        return await served(request, parse_request, run, "/run_code")
+
+    async def submit(request):
+        return await served(request, parse_submit, evaluated, "/submit")
 
     async def health(request):
         return JSONResponse({"status": "ok", "languages": sorted(runner.languages),
@@ -414,7 +436,7 @@ def make_app(runner: Runner, token: str | None, limits: Limits = Limits(),
         yield
         pool.shutdown(wait=False, cancel_futures=True)  # queued runs are dropped at shutdown, not started
 
-    app = Starlette(routes=[Route("/run_code", run_code, methods=["POST"]),
+    app = Starlette(routes=[Route("/run_code", run_code, methods=["POST"]), Route("/submit", submit, methods=["POST"]),
                             Route("/health", health, methods=["GET"])], lifespan=lifespan)
     return _AccessLog(app, log)
 

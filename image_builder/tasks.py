@@ -158,7 +158,7 @@ class BadTask:
 Task = Union[AssertTask, StdioTask, RepoTask, BadTask]
 
 # The comparisons of stdin/stdout output (graders/stdio.py implements them).
-COMPARE_MODES = ("exact", "tokens", "float", "livecodebench", "checker")
+COMPARE_MODES = ("exact", "tokens", "float", "livecodebench", "sandboxfusion", "checker")
 COMPARE_KEYS = ("compare", "checker", "tolerance")  # what a record or ground truth may say about comparing
 
 # SWE-bench's test commands where they differ from `pytest -rA`; a record's own `test_cmd` wins.

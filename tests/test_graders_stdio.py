@@ -179,6 +179,15 @@ def test_livecodebench_comparison(output, expected, verdict):
     ("float", "1_000\n", "1000\n", "token 1: expected '1000', got '1_000'"),
     ("livecodebench", "1.0 2.50\n", "1 2.5\n", None),
     ("livecodebench", "0.1\n", "0.10000001\n", "line 1: expected '0.10000001', got '0.1'"),
+    # SandboxFusion's check_stdio_test_case (its /submit for CommonOJDataset)
+    ("sandboxfusion", "YES  \n\n", "  yes\n", None),  # stripped, lower-cased
+    ("sandboxfusion", "0.3333333\n", "0.33333334\n", None),  # relative 1e-5
+    ("sandboxfusion", "0.3334\n", "0.3333\n", "line 1: expected '0.3333', got '0.3334' (relative 1e-5)"),
+    ("sandboxfusion", "1e2\n", "100\n", None),
+    ("sandboxfusion", "1 2\n", "1  2\n", "line 1: expected '1  2', got '1 2'"),  # inner spaces count
+    ("sandboxfusion", "1\n2\n", "1\n", "expected 1 lines, got 2"),
+    ("sandboxfusion", "nan\n", "NaN\n", None),  # equal as lower-cased text
+    ("sandboxfusion", "inf\n", "1e400\n", "line 1: expected '1e400', got 'inf' (relative 1e-5)"),
 ])
 def test_comparison_modes(mode, output, expected, verdict):
     assert compare_output(mode, output, expected) == verdict
@@ -218,7 +227,8 @@ def test_records_ask_for_a_comparison_and_bad_ones_are_bad_tasks():
     assert (checked.compare, checked.checker) == ("checker", "import sys\n")
     truth = parse_ground_truth("v", json.dumps({"inputs": ["1\n"], "outputs": ["1\n"], "compare": "exact"}))
     assert truth.compare == "exact"  # verl ground truth may say it too
-    for bad, why in [({"compare": "fuzzy"}, "compare must be one of exact, tokens, float, livecodebench, checker"),
+    for bad, why in [({"compare": "fuzzy"},
+                      "compare must be one of exact, tokens, float, livecodebench, sandboxfusion, checker"),
                      ({"compare": "checker"}, "compare is checker but the record has no checker"),
                      ({"checker": ""}, "checker must be the source of a checker program"),
                      ({"tolerance": "1e-3"}, "tolerance must be a number in [0, 1)"),

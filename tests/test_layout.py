@@ -19,7 +19,7 @@ STAGES = [
     {"build"},
     {"graders"},
     {"agents"},
-    {"devtools", "cli", "cli_run", "entry", "slurm", "rewards", "serve"},
+    {"devtools", "cli", "cli_run", "entry", "slurm", "rewards", "submit", "serve"},
 ]
 
 

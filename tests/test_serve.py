@@ -311,3 +311,94 @@ def test_odd_file_names_answer_without_breaking_the_server(open_server, name, st
         if name != "main.py":
             assert base64.b64decode(answer["files"][name]) == b"data"
     assert requests.get(f"{open_server.url}/health", timeout=10).status_code == 200
+
+
+# --- POST /submit: SandboxFusion's dataset API, the graders' verdicts -----------------------------
+
+from sandbox_fusion import SubmitRequest, TestConfig, submit  # noqa: E402
+
+OJ_TESTS = [{"input": {"stdin": "3\n1 2 3\n"}, "output": {"stdout": "6\n"}},
+            {"input": {"stdin": "2\n5 5\n"}, "output": {"stdout": "10\n"}},
+            {"input": {"stdin": "1\n7\n"}, "output": {"stdout": "7\n"}}]
+SUM = "n = int(input())\nprint(sum(map(int, input().split())))\n"
+
+
+def oj(server: Server, completion: str, tests=OJ_TESTS, **config):
+    config = {"language": "python", "provided_data": {"test": tests}, **config}
+    return submit(SubmitRequest(dataset="code_contests", id=7, completion=completion, config=TestConfig(**config)),
+                  endpoint=server.url, max_attempts=1, client_timeout=120)
+
+
+def test_submit_a_stdio_problem_with_the_official_client(open_server):
+    result = oj(open_server, f"Here it is:\n```python\n{SUM}```\nDone.")
+    assert result.accepted and result.extracted_code == SUM.rstrip("\n") and len(result.tests) == 3
+    assert all(t.passed and t.exec_info.status == RunStatus.Success for t in result.tests)
+    assert result.tests[0].test_info == OJ_TESTS[0]
+    # SandboxFusion's comparison: lines stripped, case-insensitive, numbers within relative 1e-5
+    loose = [{"input": {"stdin": ""}, "output": {"stdout": "YES\n0.3333333\n"}}]
+    assert oj(open_server, "```python\nprint('yes  ')\nprint(1/3)\n```", loose).accepted
+    assert not oj(open_server, "```python\nprint('yes')\nprint(0.3334)\n```", loose).accepted
+
+
+def test_submit_stops_at_the_first_failed_case_unless_asked_for_all(open_server):
+    wrong = "```python\nn = int(input())\nprint(n * 3)\n```"  # wrong in every case
+    result = oj(open_server, wrong)
+    assert not result.accepted and [t.passed for t in result.tests] == [False]
+    result = oj(open_server, wrong, extra={"run_all_cases": True})
+    assert [t.passed for t in result.tests] == [False, False, False]
+    assert result.tests[0].exec_info.status == RunStatus.Failed
+    slow = oj(open_server, "```python\nimport time\ntime.sleep(30)\n```", OJ_TESTS[:1], run_timeout=1)
+    assert not slow.accepted and slow.tests[0].exec_info.run_result.status == CommandRunStatus.TimeLimitExceeded
+
+
+MBPP_ROW = {"id": 2, "content": "Write a function to find the shared elements from the given two lists.",
+            "labels": {"test_setup_code": "import math"},
+            "test_list": ["assert set(similar_elements((3, 4, 5, 6),(5, 7, 4, 10))) == set((4, 5))",
+                          "assert set(similar_elements((1, 2, 3, 4),(5, 4, 3, 7))) == set((3, 4))",
+                          "assert math.pi > 3"]}
+
+
+def mbpp(server: Server, completion: str):
+    return submit(SubmitRequest(dataset="mbpp", id=2, completion=completion,
+                                config=TestConfig(provided_data=MBPP_ROW)),
+                  endpoint=server.url, max_attempts=1, client_timeout=120)
+
+
+def test_submit_an_mbpp_answer_cut_as_sandboxfusion_cuts_it(open_server):
+    answer = ("[BEGIN]\n```python\ndef similar_elements(a, b):\n    return tuple(set(a) & set(b))\n```\n"
+              "assert similar_elements((1,), (2,)) == ()\n[DONE]\nAnd more prose.")
+    result = mbpp(open_server, answer)
+    assert result.accepted, result
+    assert result.full_code.startswith("import math\ndef similar_elements") and "assert" not in result.full_code
+    assert [t.passed for t in result.tests] == [True, True, True]
+    assert not mbpp(open_server, "```python\ndef similar_elements(a, b):\n    return ()\n```").accepted
+
+
+def test_submit_verdicts_cannot_be_forged_where_sandboxfusion_s_exit_status_can(open_server):
+    """SandboxFusion runs answer + asserts as one program and takes its exit status: exiting 0 first passes
+    there. Here the asserts run in the evaluator."""
+    for cheat in ("import os\nos._exit(0)\n", "import sys\nsys.exit(0)\n",
+                  # after the failed assert's traceback, the exit status becomes 0
+                  "import atexit, os\natexit.register(os._exit, 0)\ndef similar_elements(a, b):\n    return 0\n"):
+        result = mbpp(open_server, f"```python\n{cheat}```")
+        assert not result.accepted and [t.passed for t in result.tests][:2] == [False, False], cheat
+
+
+@pytest.mark.parametrize("body, says", [
+    ({"dataset": "humaneval_python", "id": 1, "completion": "", "config": {}}, "no eval class found for dataset"),
+    ({"dataset": "x", "id": 1, "completion": "", "config": {"dataset_type": "AiderBenchmarkDataset"}},
+     "eval class AiderBenchmarkDataset not served here"),
+    ({"dataset": "mbpp", "id": 1, "completion": "", "config": {}}, "holds no dataset tables"),
+    ({"dataset": "mbpp", "id": 1, "completion": "", "config": {"provided_data": MBPP_ROW,
+                                                                "custom_extract_logic": "import os"}},
+     "custom_extract_logic is not run here"),
+    ({"dataset": "code_contests", "id": 1, "completion": "", "config": {"provided_data": {"test": OJ_TESTS}}},
+     "config.language field must exist"),
+    ({"dataset": "code_contests", "id": 1, "completion": "", "config": {"language": "python",
+                                                                         "provided_data": {"test": "[1]"}}},
+     "provided_data.test must be a non-empty list"),
+    ({"dataset": "mbpp", "id": True, "completion": "", "config": {}}, "id must be"),
+])
+def test_a_submit_the_server_cannot_evaluate_is_400_with_the_reason(open_server, body, says):
+    r = requests.post(f"{open_server.url}/submit", json=body, timeout=30)
+    assert r.status_code == 400 and says in r.json()["detail"], r.text

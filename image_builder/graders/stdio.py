@@ -10,6 +10,8 @@ Standard input is a regular file, as judges give it (some real solutions read
   `tolerance` if it has one); two integers (no point, no exponent) must be equal exactly;
 - `livecodebench`: LiveCodeBench's (`compare_stdout`): stripped lines, equal as text or
   token-wise as exact decimals;
+- `sandboxfusion`: SandboxFusion's (`check_stdio_test_case`, its /submit for CommonOJDataset): stripped
+  lines, equal lower-cased, or both numbers within relative 1e-5;
 - `checker`: the task's checker program (Python source) decides, for problems with several
   valid answers. It is a run of its own through the same executor, after the candidate's,
   as `python3 checker.py INPUT EXPECTED ACTUAL` (three file paths); exit 0 accepts, any other
@@ -93,6 +95,8 @@ def compare_output(mode: str, output: str, expected: str, tolerance: float = DEF
         return compare_tokens(output, expected)
     if mode == "float":
         return compare_tokens(output, expected, tolerance)
+    if mode == "sandboxfusion":
+        return compare_sandboxfusion(output, expected)
     raise ValueError(f"no comparison named {mode!r}")
 
 
@@ -148,6 +152,28 @@ def compare_stdout(output: str, expected: str) -> str | None:
         got_decimals, want_decimals = _decimals(line), _decimals(wanted)
         if got_decimals is None or want_decimals is None or got_decimals != want_decimals:
             return f"line {number}: expected {wanted[:80]!r}, got {line[:80]!r}"
+    return None
+
+
+def compare_sandboxfusion(output: str, expected: str) -> str | None:
+    """SandboxFusion's check_stdio_test_case: the stripped texts' lines (one trailing empty line dropped on
+    either side), each pair equal stripped and lower-cased, or both floats within relative 1e-5."""
+    got, want = output.strip().split("\n"), expected.strip().split("\n")
+    if len(got) - len(want) == 1 and got[-1] == "":
+        got = got[:-1]
+    if len(want) - len(got) == 1 and want[-1] == "":
+        want = want[:-1]
+    if len(got) != len(want):
+        return f"expected {len(want)} lines, got {len(got)}"
+    for number, (line, wanted) in enumerate(zip(got, want), 1):
+        if line.lower().strip() == wanted.lower().strip():
+            continue
+        try:
+            a, b = float(line.lower()), float(wanted.lower())
+        except ValueError:
+            return f"line {number}: expected {wanted[:80]!r}, got {line[:80]!r}"
+        if not abs(a - b) / max(abs(b), 1e-10) < 1e-5:
+            return f"line {number}: expected {wanted[:80]!r}, got {line[:80]!r} (relative 1e-5)"
     return None
 
 
