@@ -1072,9 +1072,13 @@ def swebench_group():
 @click.option("--prefix", default="", metavar="NAME",
               help="Start every environment's name with NAME-: several generated catalogs then build into one "
               "store, and their equal layers (a Python, a shared repository version) are one image, built once.")
+@click.option("--conda-channel", "conda_channels", multiple=True, metavar="URL",
+              help="A conda channel (a conda-forge mirror, http(s)://) to solve environment.yml specs against with "
+              "conda's solver (py-rattler, fetched from PyPI at build); repeat in priority order. Without one their "
+              "packages come from PyPI by name.")
 @_one_line_errors
 def swebench_catalog(dataset, repos, output, pythons, python_default, apt, pip_version, cutoff, index_url,
-                     exclude_tags, prefix):
+                     exclude_tags, prefix, conda_channels):
     """Write a catalog building DATASET from the swebench package's specs: one environment per repository and
     version, layered over one per Python, and one thin instance per task."""
     from image_builder.build.swebench_catalog import CatalogOptions, generate
@@ -1091,8 +1095,12 @@ def swebench_catalog(dataset, repos, output, pythons, python_default, apt, pip_v
         except ValueError:
             raise click.BadParameter(f"{cutoff!r}: expected auto, none or an ISO 8601 date (2024-07-04)",
                                      param_hint="--cutoff") from None
+    for channel in conda_channels:
+        if not channel.startswith(("http://", "https://")) or any(c.isspace() for c in channel):
+            raise click.BadParameter(f"{channel!r}: expected a channel's http(s):// URL (serve a local one over "
+                                     "HTTP: the build sandbox sees no host path)", param_hint="--conda-channel")
     result = generate(CatalogOptions(dataset, repos, output, mapping, python_default, apt, pip_version, cutoff,
-                                     index_url, tuple(exclude_tags), prefix),
+                                     index_url, tuple(exclude_tags), prefix, tuple(conda_channels)),
                       progress=lambda line: click.echo(line, err=True))
     for line in result.skipped:
         click.echo(f"left out: {line}", err=True)

@@ -347,6 +347,53 @@ def test_optional_requirements_install_each_one_that_has_a_wheel(tmp_path, debia
     assert "image-builder: left out cfgrib (import cfgrib fails: ZeroDivisionError: division by zero)" in log
 
 
+def test_a_conda_environment_from_the_site_s_channel(tmp_path, debian_base, registries):
+    """conda-env.sh (swebench catalog --conda-channel): conda's solver (py-rattler) against a local channel over
+    HTTP, as of the cut-off; the environment's interpreter imports what was solved, then its pip packages."""
+    from tests.support import conda_channel
+    channel = tmp_path / "channel"
+    conda_channel.python_package(channel)
+    conda_channel.noarch_python_package(channel, "hello", "1.0", "VALUE = 1\n")
+    conda_channel.noarch_python_package(channel, "hello", "2.0", "VALUE = 2\n", timestamp_ms=1_800_000_000_000)
+    conda_channel.index(channel)
+    context = tmp_path / "context"
+    context.mkdir()
+    (context / "conda-specs.txt").write_text("hello\n")
+    scripts = {"conda-env.sh": (ROOT / "env_scripts/conda-env.sh").read_text()}
+    prefix = "/opt/conda/envs/testbed"
+    with conda_channel.served(channel) as url:
+        env = {"CONDA_CHANNELS": url, "CONDA_PYTHON": "3.11", "CONDA_EXCLUDE_NEWER": "2024-07-04T00:00:00Z",
+               "PATH": f"{prefix}/bin:/usr/local/bin:/usr/bin:/bin", "PIP_BREAK_SYSTEM_PACKAGES": "1"}
+        cat = write_catalog(tmp_path, [{"name": "conda", "base": debian_base, "scripts": ["conda-env.sh"],
+                                        "context": "context", "env": env}], scripts)
+        result = build_env(load(cat).environments["conda"], options(tmp_path, registries.tls.cert))
+    log = next((tmp_path / "store").rglob("*conda-env.sh.log")).read_text()
+    assert "image-builder: solved 2 conda packages: hello=1.0=py_0 python=3.11.2=0" in log, "2.0 is past the cut-off"
+    image = read_sif(result.sif)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "squashfs", "-o", f"loop,ro,offset={image.primary_partition().offset}",
+                    str(result.sif), str(mnt)], check=True)
+    try:
+        out = subprocess.run(["chroot", str(mnt), f"{prefix}/bin/python", "-c",
+                              "import hello, sys; print(hello.VALUE, sys.prefix)"], capture_output=True, text=True)
+        assert out.stdout == f"1 {prefix}\n", out.stderr
+        assert (mnt / prefix.lstrip("/") / "conda-meta/hello-1.0-py_0.json").is_file(), "conda's own record"
+        assert not (mnt / "tmp/ib-rattler").exists(), "the solver is not left in the image"
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+    (context / "conda-specs.txt").write_text("hello\nnot-in-the-channel\n")
+    with conda_channel.served(channel) as url:
+        env["CONDA_CHANNELS"] = url
+        cat = write_catalog(tmp_path, [{"name": "conda", "base": debian_base, "scripts": ["conda-env.sh"],
+                                        "context": "context", "env": env}], scripts)
+        with pytest.raises(BuildFailed) as failed:
+            build_env(load(cat).environments["conda"], options(tmp_path, registries.tls.cert))
+    assert any("image-builder: conda environment:" in line and "not-in-the-channel" in line
+               for line in failed.value.tail), failed.value.tail
+
+
 def unprivileged_build(tmp_root: Path, catalog: Path, ca: Path, backend: str) -> subprocess.CompletedProcess:
     tmp_root.chmod(0o777)
     return run_cli("build", str(catalog), "--store", str(tmp_root / "store"), "--cache-dir", str(tmp_root / "cache"),

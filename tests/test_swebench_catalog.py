@@ -116,11 +116,39 @@ def test_a_conda_environment_yml_installs_its_packages_by_pypi_name(tmp_path):
     assert not (deps.context / "requirements.txt").exists()
     stderr = (tmp_path / "c.stderr").read_text()
     note = next(line for line in stderr.splitlines() if line.startswith("note: pydata__xarray-1: not carried out"))
-    assert "conda ci/requirements/environment.yml (no conda solver here)" in note
+    assert "conda ci/requirements/environment.yml (no --conda-channel)" in note
     assert "; left out hdf5: a conda-only library" in note
     assert "left out --index-url http://evil.example/simple: not a plain requirement" in note
     assert "left out git+https://evil.example/pkg.git: not a plain requirement" in note
     assert "no_use_env" not in stderr, "it only chooses between two conda commands"
+
+
+def test_with_a_conda_channel_an_environment_yml_is_solved_by_conda(tmp_path):
+    """--conda-channel: the deps layer is conda-env.sh against the site's channels (the file's own channels and
+    `channel::` prefixes are not followed), its interpreter first on PATH for the layers above, as of the
+    cut-off; the file's pip section goes to the environment's pip, URLs and options left out."""
+    yml = XARRAY_YML + "  - https://evil.example/linux-64/numpy-9-0.tar.bz2\n"
+    envs = _marshmallow_with(tmp_path, {"ci/requirements/environment.yml": yml}, "--cutoff", "2023-06-29",
+                             "--conda-channel", "https://conda.example/conda-forge", "--conda-channel",
+                             "https://conda.example/extra",
+                             row={"repo": "pydata/xarray", "version": "0.12", "instance_id": "pydata__xarray-1"})
+    deps = envs["pydata__xarray-0.12-deps"]
+    assert [s.name for s in deps.scripts] == ["conda-env.sh"]
+    assert deps.env["CONDA_CHANNELS"] == "https://conda.example/conda-forge https://conda.example/extra"
+    assert deps.env["CONDA_PYTHON"] == "3.10" and deps.env["CONDA_EXCLUDE_NEWER"] == "2023-06-29T00:00:00Z"
+    assert deps.env["PATH"].startswith("/opt/conda/envs/testbed/bin:")
+    assert "numpy==1.23.0" in deps.env["PYTHON_PACKAGES"], "the spec's pip_packages, over the conda environment"
+    assert (deps.context / "conda-specs.txt").read_text().splitlines() == [
+        "pip", "numpy", "matplotlib-base", "netcdf4>=1.5", "pandas=1.1", "scipy 1.5.*", "dask >=2.9,<3", "pytables",
+        "hdf5", "iris", "pint=0.16=pyhd8ed1ab_0", "numpy"], "python is the spec's"
+    assert (deps.context / "pip-requirements.txt").read_text() == "numbagg\n"
+    assert not (deps.context / "optional.txt").exists()
+    stderr = (tmp_path / "c.stderr").read_text()
+    assert "left out https://evil.example/linux-64/numpy-9-0.tar.bz2: not a conda match spec" in stderr
+    assert "no --conda-channel" not in stderr
+    r = run_cli("swebench", "catalog", str(tmp_path / "c.jsonl"), "--repos", str(tmp_path), "-o",
+                str(tmp_path / "d.yaml"), "--python", "3.10=x", "--conda-channel", "/srv/conda-forge")
+    assert r.returncode == 2 and "expected a channel's http(s):// URL" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_an_unreadable_environment_yml_leaves_out_its_instances(tmp_path):
@@ -132,14 +160,15 @@ def test_an_unreadable_environment_yml_leaves_out_its_instances(tmp_path):
 
 
 def test_conda_match_specs_as_pip_requirements():
-    from image_builder.build.environment_yml import EnvironmentYmlError, pip_requirements
-    made = pip_requirements("dependencies:\n- numpy=1.17=py38_0\n- \"scipy[version='>=1.0']\"\n- x >=1|<0\n"
-                            "- {other: 1}\n- geopandas-base\n- msgpack-python\n", "e.yml")
+    from image_builder.build.environment_yml import EnvironmentYmlError, pip_requirements, read_environment_yml
+    made = pip_requirements(read_environment_yml(
+        "dependencies:\n- numpy=1.17=py38_0\n- \"scipy[version='>=1.0']\"\n- x >=1|<0\n- {other: 1}\n"
+        "- geopandas-base\n- msgpack-python\n", "e.yml"))
     assert made.requirements == ("numpy==1.17.*", "scipy", "geopandas", "msgpack")
-    assert [x.split(":")[0] for x in made.left_out] == ["x >=1|<0", "{'other'"]
+    assert [x.split(":")[0] for x in made.left_out] == ["{'other'", "x >=1|<0"]
     for bad in ("[1, 2]", "dependencies: 3", ": :"):
         with pytest.raises(EnvironmentYmlError, match="^e.yml: "):
-            pip_requirements(bad, "e.yml")
+            read_environment_yml(bad, "e.yml")
 
 
 def test_a_repository_with_c_sources_gets_a_compiler_layer(tmp_path):

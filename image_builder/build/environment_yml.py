@@ -1,15 +1,18 @@
-"""A conda `environment.yml` as pip requirements, for specs whose packages are one (SWE-bench's xarray, matplotlib).
+"""A conda `environment.yml` (SWE-bench's xarray, matplotlib specs): what of it may be taken, for conda's solver
+or as pip requirements.
 
 SWE-bench builds such an environment with conda from conda-forge, then pip-installs the spec's pins over it.
-A cluster that reaches PyPI but no conda channel gets the same packages by name from PyPI, as the specs'
-plain conda package lists already are ("numpy scipy cython"): the translation is conda's match-spec syntax
-to PEP 508, and the few scientific packages conda-forge names apart from PyPI. What PyPI lacks (hdf5, a
-compiler metapackage) or has only as a source build (cartopy against GEOS) is left out at build time, named
-in the build log (python-venv.sh's optional requirements), never failing the environment: the spec's pins
-are what its tests were checked with.
+With a site's conda channel (`swebench catalog --conda-channel`) the file's match specs go to conda's own
+solver (env_scripts/conda-env.sh, py-rattler) as they are. A cluster that reaches PyPI but no conda channel
+gets the same packages by name from PyPI, as the specs' plain conda package lists already are ("numpy scipy
+cython"): the translation is conda's match-spec syntax to PEP 508, and the few scientific packages
+conda-forge names apart from PyPI. What PyPI lacks (hdf5, a compiler metapackage) or has only as a source
+build (cartopy against GEOS) is left out at build time, named in the build log (python-venv.sh's optional
+requirements), never failing the environment: the spec's pins are what its tests were checked with.
 
-The file is the repository's, so hostile: only plain requirements pass (a name, extras, version bounds);
-pip options (`--index-url`), URLs and editable lines in its `pip:` section are left out with the reason.
+The file is the repository's, so hostile: only plain entries pass. Conda specs with a URL or path are left
+out and a `channel::` prefix is dropped (only the site's channels are asked), and the `pip:` section's pip
+options (`--index-url`), URLs and editables are left out with the reason.
 """
 
 from __future__ import annotations
@@ -42,13 +45,26 @@ class EnvironmentYmlError(ValueError):
 
 
 @dataclass(frozen=True)
+class EnvironmentYml:
+    """An environment.yml's `dependencies`, what of them can be taken from a hostile repository."""
+    conda: tuple[str, ...]  # conda match specs, a channel prefix (`conda-forge::`) dropped: the site's channels
+    pip: tuple[str, ...]  # its pip section's plain requirements
+    left_out: tuple[str, ...]  # "<entry>: why", one per entry not taken
+
+    def conda_specs(self) -> tuple[str, ...]:
+        """The match specs a conda solver takes, the interpreter's left to the spec (SWE-bench: `conda create
+        python=X.Y`, or `conda install python=X.Y` after the file)."""
+        return tuple(spec for spec in self.conda if _name(spec) != "python")
+
+
+@dataclass(frozen=True)
 class PipRequirements:
     requirements: tuple[str, ...]  # PEP 508, in the file's order: conda packages, then its pip section
     left_out: tuple[str, ...]  # "<entry>: why", one per entry no requirement was made of
 
 
-def pip_requirements(text: str, source: str) -> PipRequirements:
-    """The requirements of an environment.yml's `dependencies`. EnvironmentYmlError: not an environment file."""
+def read_environment_yml(text: str, source: str) -> EnvironmentYml:
+    """EnvironmentYmlError: not an environment file."""
     try:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -56,30 +72,52 @@ def pip_requirements(text: str, source: str) -> PipRequirements:
     dependencies = doc.get("dependencies") if isinstance(doc, dict) else None
     if not isinstance(dependencies, list):
         raise EnvironmentYmlError(f"{source}: no `dependencies` list")
-    requirements: list[str] = []
+    conda: list[str] = []
+    pip: list[str] = []
     left_out: list[str] = []
     for entry in dependencies:
         if isinstance(entry, dict) and set(entry) == {"pip"} and isinstance(entry["pip"], list):
             for line in entry["pip"]:
                 line = str(line).split(" #")[0].strip()
                 if PIP_REQUIREMENT.match(line):
-                    requirements.append(line)
+                    pip.append(line)
                 else:
                     left_out.append(f"{line[:80]}: not a plain requirement (pip options, URLs and editables are "
                                     "not taken from the repository)")
+        elif isinstance(entry, str) and CONDA_SPEC.match(entry.strip()) and not re.search(r"[/:\\]", _unprefixed(entry)):
+            conda.append(_unprefixed(entry))
         elif isinstance(entry, str):
-            made = _from_conda(entry.strip())
-            if made and _key(made) in CONDA_ONLY:
-                left_out.append(f"{entry[:80]}: a conda-only library (PyPI's project of that name is not it)")
-            elif made is None:
-                left_out.append(f"{entry[:80]}: not a conda match spec this translates")
-            elif made:
-                requirements.append(made)
+            left_out.append(f"{entry[:80]}: not a conda match spec (a URL or path is not taken)")
         else:
             left_out.append(f"{str(entry)[:80]}: neither a package nor a pip list")
+    return EnvironmentYml(tuple(conda), tuple(pip), tuple(left_out))
+
+
+def pip_requirements(env: EnvironmentYml) -> PipRequirements:
+    """The file's packages as PyPI requirements (no conda channel to solve against)."""
+    requirements: list[str] = []
+    left_out = list(env.left_out)
+    for entry in env.conda:
+        made = _from_conda(entry)
+        if made and _key(made) in CONDA_ONLY:
+            left_out.append(f"{entry[:80]}: a conda-only library (PyPI's project of that name is not it)")
+        elif made is None:
+            left_out.append(f"{entry[:80]}: not a conda match spec this translates")
+        elif made:
+            requirements.append(made)
+    requirements += env.pip
     seen: set[str] = set()
     unique = [r for r in requirements if not (_key(r) in seen or seen.add(_key(r)))]
     return PipRequirements(tuple(unique), tuple(left_out))
+
+
+def _unprefixed(spec: str) -> str:
+    return spec.strip().split("::", 1)[-1].strip()
+
+
+def _name(spec: str) -> str:
+    m = CONDA_SPEC.match(spec)
+    return m.group(1).lower() if m else ""
 
 
 def _from_conda(spec: str) -> str | None:

@@ -33,10 +33,11 @@ environment. The interpreter is the environment's, as SWE-bench's conda env is:
 tox-current-env links `.tox/*/bin/python` to it, and a link to a venv's python
 finds no pyvenv.cfg beside it and loses the venv's packages.
 
-A spec whose packages are a conda environment.yml (xarray, matplotlib) gets the
-file's packages by their PyPI names (environment_yml.py), each one PyPI has as
-wheels, before the spec's pins: a cluster reaches PyPI more often than a conda
-channel; what this leaves out is said per instance and in the build log.
+A spec whose packages are a conda environment.yml (xarray, matplotlib) is solved
+by conda's own solver against the site's channels (--conda-channel: conda-env.sh),
+else gets the file's packages by their PyPI names (environment_yml.py), each one
+PyPI has as wheels, before the spec's pins: a cluster reaches PyPI more often
+than a conda channel; what this leaves out is said per instance and in the log.
 
 The bundles cut this way go into a context directory beside the catalog
 (`<catalog>.d/`). Specs that cannot be honoured here (non-Python specs, a Python
@@ -63,7 +64,8 @@ from typing import Any
 
 import yaml
 
-from image_builder.build.environment_yml import EnvironmentYmlError, PipRequirements, pip_requirements
+from image_builder.build.environment_yml import EnvironmentYml, EnvironmentYmlError, pip_requirements, \
+    read_environment_yml
 from image_builder.build.upload_dates import DEFAULT_INDEX, UploadDateError, UploadDates, day_after, iso, \
     parse_time, pins
 from image_builder.errors import ImageBuilderError
@@ -81,6 +83,7 @@ OLD_PIP_OPTIONS = ("--no-use-pep517",)
 PIP_FOR_OLD_OPTIONS = "pip==25.2"
 OLD_SETUPTOOLS = re.compile(r"[\"']setuptools\s*(?:~=|==|<=|<)\s*(\d+)")
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+CONDA_PREFIX = "/opt/conda/envs/testbed"  # a conda spec's environment (SWE-bench's: /opt/miniconda3/envs/testbed)
 # Sources that need a compiler when the repository installs, outside tests and docs (sphinx's test root
 # holds a .pyx it never builds).
 COMPILED = re.compile(r"\.(c|cc|cpp|cxx|pyx|f|f90)$")
@@ -339,6 +342,9 @@ class CatalogOptions:
     # differ, and layers that come out equal (a Python, a repository version of two datasets) share one image
     # by their build key, built once.
     prefix: str = ""
+    # Conda channels (URLs of a conda-forge mirror) environment.yml specs are solved against; none: their
+    # packages come from PyPI by name.
+    conda_channels: tuple[str, ...] = ()
 
 
 def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line: None) -> Generated:
@@ -439,15 +445,29 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
                 deps_dir = context / "envs" / f"{env_name}-deps"
                 deps_dir.mkdir(parents=True, exist_ok=True)
                 _write_if_changed(deps_dir / "requirements.txt", u.requirements)
-                _write_if_changed(deps_dir / "optional.txt", u.optional_text)
-                if u.optional:
-                    left = "".join(f"; left out {x}" for x in u.optional.left_out)
-                    result.notes += [f"{t.original_id}: not carried out: conda {u.optional_source} (no conda "
-                                     f"solver here): its packages from PyPI by name where PyPI has them as wheels, "
-                                     f"the rest left out at build, named in its log{left}" for t, _ in members]
+                conda = u.environment_yml if opts.conda_channels else None
+                _write_if_changed(deps_dir / "conda-specs.txt", _lines(conda.conda_specs()) if conda else None)
+                _write_if_changed(deps_dir / "pip-requirements.txt", _lines(conda.pip) if conda else None)
+                optional = pip_requirements(u.environment_yml) if u.environment_yml and not conda else None
+                _write_if_changed(deps_dir / "optional.txt", optional and (
+                    f"# from {u.environment_yml_path} (conda), as PyPI names\n" + _lines(optional.requirements)))
+                left = "".join(f"; left out {x}" for x in (optional or conda).left_out) if u.environment_yml else ""
+                if optional:
+                    result.notes += [f"{t.original_id}: not carried out: conda {u.environment_yml_path} (no "
+                                     f"--conda-channel): its packages from PyPI by name where PyPI has them as "
+                                     f"wheels, the rest left out at build, named in its log{left}" for t, _ in members]
+                elif left:
+                    result.notes += [f"{t.original_id}: not carried out: parts of {u.environment_yml_path}{left}"
+                                     for t, _ in members]
                 deps_env = {"PYTHON_PACKAGES": " ".join(spec.packages)}
                 cutoff = cutoffs.of(repo, version, spec, [r for _, r in members])
-                if cutoff and _takes_cutoff(pip):
+                if conda:
+                    # SWE-bench's conda environment, solved by conda's own solver (py-rattler) against the site's
+                    # channels, as of the cut-off too; its interpreter first on PATH for the layers above.
+                    deps_env |= {"CONDA_CHANNELS": " ".join(opts.conda_channels), "CONDA_PYTHON": spec.python,
+                                 "PATH": f"{CONDA_PREFIX}/bin:{PATH}", "CONDA_PREFIX_DIR": CONDA_PREFIX,
+                                 **({"CONDA_EXCLUDE_NEWER": cutoff} if cutoff else {})}
+                if cutoff and (_takes_cutoff(pip) or conda):
                     deps_env["PIP_UPLOADED_PRIOR_TO"] = cutoff
                 elif cutoff:
                     which = pip or "the base's pip"
@@ -455,12 +475,13 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
                                      f"{spec.python} has no --uploaded-prior-to)" for t, _ in members]
                 if spec.old_pip_options or _no_pep660(mirror.show(_setup_commit(members), "pyproject.toml")):
                     deps_env["PIP_FOR_INSTALL"] = PIP_FOR_OLD_OPTIONS
-                    if spec.version < (3, 12):
+                    if spec.version < (3, 12) and not conda:
                         # `setup.py develop` under setuptools' own distutils links the checkout into
                         # /usr/lib/pythonX.Y/site-packages, which Debian's interpreter does not read (pylint
                         # 2.15: No module named 'pylint'); Debian's distutils picks its dist-packages.
                         deps_env["SETUPTOOLS_USE_DISTUTILS"] = "stdlib"
-                added.append({"name": f"{env_name}-deps", "from": history, "scripts": ["python-venv.sh"],
+                added.append({"name": f"{env_name}-deps", "from": history,
+                              "scripts": ["conda-env.sh" if conda else "python-venv.sh"],
                               "env": deps_env, "context": _relative(deps_dir, opts.out.parent)})
                 merge_base = mirror.merge_base([t.base_commit for t, _ in members])
                 added.append(_repo_env(env_name, f"{env_name}-deps", context / "envs" / env_name, opts.out, mirror,
@@ -584,16 +605,8 @@ class Buildable:
     mirror: Repository
     members: list[tuple[RepoTask, dict]]  # its instances and their dataset rows
     requirements: str | None = None  # the spec's requirements file, as SWE-bench reads it
-    optional: PipRequirements | None = None  # from the spec's environment.yml
-    optional_source: str = ""  # the environment.yml's path in the repository
-
-    @property
-    def optional_text(self) -> str | None:
-        """optional.txt of the deps layer's context (python-venv.sh installs each it can)."""
-        if not self.optional:
-            return None
-        return f"# from {self.optional_source} (conda), as PyPI names\n" + "".join(
-            f"{r}\n" for r in self.optional.requirements)
+    environment_yml: EnvironmentYml | None = None  # the spec's conda environment file
+    environment_yml_path: str = ""  # its path in the repository
 
 
 def _usable(constants: types.ModuleType, opts: CatalogOptions, repo: str, version: str, members: list,
@@ -618,19 +631,19 @@ def _usable(constants: types.ModuleType, opts: CatalogOptions, repo: str, versio
         requirements = requirements_text(mirror, setup_commit, spec.requirements)
         if requirements is None:
             return f"none of {', '.join(spec.requirements)} exists at {setup_commit[:12]} in {mirror.source}"
-    optional, optional_source = None, ""
+    environment_yml, environment_yml_path = None, ""
     for path in spec.environment_yml:
         text = mirror.show(setup_commit, path)
         if text is not None:
             try:
-                optional, optional_source = pip_requirements(text, path), path
+                environment_yml, environment_yml_path = read_environment_yml(text, path), path
             except EnvironmentYmlError as e:
                 return f"{e} at {setup_commit[:12]}"
             break
     else:
         if spec.environment_yml:
             return f"none of {', '.join(spec.environment_yml)} exists at {setup_commit[:12]} in {mirror.source}"
-    return Buildable(repo, version, spec, base, mirror, members, requirements, optional, optional_source)
+    return Buildable(repo, version, spec, base, mirror, members, requirements, environment_yml, environment_yml_path)
 
 
 def _repo_env(name: str, parent: str, context: Path, catalog: Path, mirror: Repository, head: str,
@@ -646,6 +659,10 @@ def _repo_env(name: str, parent: str, context: Path, catalog: Path, mirror: Repo
 def _relative(path: Path, start: Path) -> str:
     import os
     return os.path.relpath(path.resolve(), start.resolve())
+
+
+def _lines(items) -> str:
+    return "".join(f"{x}\n" for x in items)
 
 
 def _write_if_changed(path: Path, text: str | None) -> None:
