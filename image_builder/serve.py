@@ -49,19 +49,26 @@ class ServeError(ImageBuilderError):
 
 @dataclass(frozen=True)
 class Language:
-    """How a language's code runs: written to `file` in the workdir, run with `argv`; offered only when
-    `probe` (a shell test) succeeds in the environment."""
+    """How a language's code runs: written to `file` in the workdir, compiled with `compile` (when given) into
+    `binary`, run with `argv`; offered only when `probe` (a shell test) succeeds in the environment."""
 
     name: str
     file: str
     argv: tuple[str, ...]
     probe: str
+    compile: tuple[str, ...] = ()
+    binary: str = ""
 
 
-# This slice's languages; others (compiled ones: compile_result) come with environments that have them.
+# SandboxFusion's commands (sandbox/runners/major.py); index/sandbox.yaml builds an environment with them all.
+# A compiled program comes back from its compiler's run as a fetched file (every run has a fresh root) and
+# is the next run's file: written without modes, hence the chmod.
 LANGUAGES = (
     Language("python", "main.py", ("python3", "main.py"), "command -v python3 >/dev/null"),
     Language("bash", "main.sh", ("/bin/bash", "main.sh"), "test -x /bin/bash"),
+    Language("cpp", "main.cpp", ("/bin/sh", "-c", "chmod u+x test && exec ./test"), "command -v g++ >/dev/null",
+             ("g++", "-std=c++17", "main.cpp", "-o", "test"), "test"),
+    Language("nodejs", "main.js", ("node", "main.js"), "command -v node >/dev/null"),
 )
 
 
@@ -220,16 +227,21 @@ def _text(data: bytes) -> str:
     return data.decode("utf-8", "replace")
 
 
-def answer(request: RunCodeRequest, language: Language, result: RunResult, fetched: Fetched | None,
-           stderr: bytes) -> RunCodeResponse:
-    """SandboxFusion's verdict on a run: Success iff it finished with exit status 0."""
+def command_result(result: RunResult, fetched: Fetched | None, stderr: bytes) -> CommandRunResult:
     if result.timed_out or (fetched is not None and fetched.timed_out):
         status, code = "TimeLimitExceeded", None
     elif result.start_errno is not None:
         status, code = "Error", result.exit_code
     else:  # a signal's death as Python's subprocess reports it (SandboxFusion's runner): -N
         status, code = "Finished", result.exit_code if result.exit_code is not None else -(result.signal or 0)
-    run = CommandRunResult(status, round(result.wall_time, 6), code, _text(result.stdout), _text(stderr))
+    return CommandRunResult(status, round(result.wall_time, 6), code, _text(result.stdout), _text(stderr))
+
+
+def answer(request: RunCodeRequest, language: Language, result: RunResult, fetched: Fetched | None,
+           stderr: bytes, compiled: CommandRunResult | None = None) -> RunCodeResponse:
+    """SandboxFusion's verdict on a run: Success iff it finished with exit status 0."""
+    run = command_result(result, fetched, stderr)
+    status, code = run.status, run.return_code
     notes = []
     if result.truncated:
         notes.append(f"output went over {DEFAULT_MAX_OUTPUT} bytes and was cut")
@@ -241,9 +253,9 @@ def answer(request: RunCodeRequest, language: Language, result: RunResult, fetch
         notes.extend(f"{name}: no such file" for name in request.fetch_files if name not in fetched.files)
     if status == "Error":  # SandboxFusion's verdict on a command that could not run: the sandbox's fault
         return RunCodeResponse("SandboxError", f"cannot start {language.argv[0]} in the environment: "
-                                               f"{os.strerror(result.start_errno)}", None, run)
+                                               f"{os.strerror(result.start_errno)}", compiled, run)
     ok = status == "Finished" and code == 0
-    return RunCodeResponse("Success" if ok else "Failed", "; ".join(notes), None, run,
+    return RunCodeResponse("Success" if ok else "Failed", "; ".join(notes), compiled, run,
                            fetched.files if fetched else {})
 
 
@@ -271,24 +283,46 @@ class Runner:
             return RunCodeResponse("SandboxError", f"language {request.language!r} is not served here "
                                                    f"(this environment offers: {offered})")
         files = {**request.files, language.file: request.code.encode()}
-        argv, nonce, timeout = language.argv, None, request.run_timeout
-        if request.fetch_files:
+        compiled = None
+        try:
+            if language.compile:
+                # SandboxFusion's order: compile (its own timeout), run only what compiled.
+                result, stderr, fetched = self._execute(language.compile, files, b"", request.compile_timeout,
+                                                        request.memory_limit_mb, (language.binary,))
+                compiled = command_result(result, fetched, stderr)
+                if compiled.status == "Error":
+                    return RunCodeResponse("SandboxError", f"cannot start {language.compile[0]} in the environment: "
+                                                           f"{os.strerror(result.start_errno)}", compiled)
+                binary = fetched.files.get(language.binary) if fetched else None
+                if compiled.status != "Finished" or compiled.return_code != 0:
+                    return RunCodeResponse("Failed", "", compiled)
+                if binary is None:
+                    return RunCodeResponse("Failed", f"the compiler wrote no {language.binary}", compiled)
+                files = {**request.files, language.binary: base64.b64decode(binary)}
+            result, stderr, fetched = self._execute(language.argv, files, (request.stdin or "").encode(),
+                                                    request.run_timeout, request.memory_limit_mb, request.fetch_files)
+        except ImageBuilderError as exc:
+            return RunCodeResponse("SandboxError", " ".join(str(exc).splitlines()), compiled)
+        return answer(request, language, result, fetched, stderr, compiled)
+
+    def _execute(self, argv: tuple[str, ...], files: dict[str, bytes], stdin: bytes, timeout: float,
+                 memory_mb: int | None, fetch: tuple[str, ...]) -> tuple[RunResult, bytes, Fetched | None]:
+        """One run in a fresh root; its stderr and the files fetched after it (None: not asked, or the run
+        was stopped before they were read)."""
+        nonce = None
+        if fetch:
             nonce = secrets.token_hex(16)
-            files[".ib-serve/nonce"] = f"{nonce}\n".encode()  # `read` fails on a last line without one
-            timer = request.run_timeout if self.has_setsid else None
-            files[".ib-serve/run.sh"] = _fetch_script(language.argv, request.fetch_files, nonce, timer).encode()
+            files = {**files, ".ib-serve/nonce": f"{nonce}\n".encode()}  # `read` fails on a last line without one
+            timer = timeout if self.has_setsid else None
+            files[".ib-serve/run.sh"] = _fetch_script(argv, fetch, nonce, timer).encode()
             argv = ("/bin/sh", ".ib-serve/run.sh")
             timeout += FETCH_GRACE if timer else 0
-        try:
-            result = self.session.run(RunRequest(argv, stdin=(request.stdin or "").encode(), files=files,
-                                                 timeout=timeout, memory_mb=request.memory_limit_mb,
-                                                 max_output=self.max_output, network=False))
-        except ImageBuilderError as exc:
-            return RunCodeResponse("SandboxError", " ".join(str(exc).splitlines()))
-        stderr, fetched = result.stderr, None
-        if nonce is not None:
-            stderr, fetched = _split_fetched(result.stderr, nonce, request.fetch_files)
-        return answer(request, language, result, fetched, stderr)
+        result = self.session.run(RunRequest(argv, stdin=stdin, files=files, timeout=timeout, memory_mb=memory_mb,
+                                             max_output=self.max_output, network=False))
+        if nonce is None:
+            return result, result.stderr, None
+        stderr, fetched = _split_fetched(result.stderr, nonce, fetch)
+        return result, stderr, fetched
 
 
 # --- the token ------------------------------------------------------------------------------------

@@ -264,7 +264,7 @@ def test_check_names_file_and_line(tmp_path, text, line, needle):
 
 
 def test_shipped_catalogs_validate():
-    for name in ("mbpp.yaml", "swebench-marshmallow.yaml"):
+    for name in ("mbpp.yaml", "swebench-marshmallow.yaml", "sandbox.yaml"):
         r = run_cli("check", str(ROOT / "index" / name))
         assert r.returncode == 0 and "ok" in r.stdout, r.stderr
     cat = load(ROOT / "index/swebench-marshmallow.yaml")

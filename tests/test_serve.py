@@ -402,3 +402,57 @@ def test_submit_verdicts_cannot_be_forged_where_sandboxfusion_s_exit_status_can(
 def test_a_submit_the_server_cannot_evaluate_is_400_with_the_reason(open_server, body, says):
     r = requests.post(f"{open_server.url}/submit", json=body, timeout=30)
     assert r.status_code == 400 and says in r.json()["detail"], r.text
+
+
+# --- compiled and other languages: index/sandbox.yaml's environment --------------------------------------
+
+@pytest.fixture(scope="module")
+def languages_server(registries, debian_base, tmp_path_factory):
+    """index/sandbox.yaml built for real (g++, nodejs, bash from Debian's packages) and served."""
+    from image_builder.build.catalog import load
+    from image_builder.build.envbuild import BuildOptions
+    from image_builder.build.storebuild import StoreBuildOptions, build_store
+    from image_builder.oci.cache import BlobCache
+    from image_builder.oci.registry import RegistryOptions
+    work = tmp_path_factory.mktemp("languages")
+    catalog = load(Path(__file__).resolve().parents[1] / "index/sandbox.yaml", bases={"debian": debian_base})
+    build = BuildOptions(store=work / "store", cache=BlobCache(work / "cache"),
+                         registry=RegistryOptions(ca_cert=registries.tls.cert))
+    summary = build_store(catalog, StoreBuildOptions(build, jobs=2))
+    assert not summary.failed, [(f.message, f.tail) for f in summary.failed]
+    server = start(work / "store", work, "--no-token")
+    yield server
+    server.stop()
+
+
+SUM_CPP = "#include <iostream>\nint main() { long a, b; std::cin >> a >> b; std::cout << a + b << std::endl; }\n"
+
+
+def test_cpp_compiles_then_runs_as_sandboxfusion_reports_it(languages_server):
+    health = requests.get(f"{languages_server.url}/health", timeout=10).json()
+    assert health["languages"] == ["bash", "cpp", "nodejs", "python"]
+    r = call(languages_server, code=SUM_CPP, language="cpp", stdin="1 2\n")
+    assert r.status == RunStatus.Success, r
+    assert r.compile_result.status == CommandRunStatus.Finished and r.compile_result.return_code == 0
+    assert r.run_result.stdout == "3\n" and r.run_result.return_code == 0
+
+
+def test_cpp_compile_errors_and_timeouts(languages_server):
+    r = requests.post(f"{languages_server.url}/run_code", timeout=60,
+                      json={"code": "int main() { return missing; }", "language": "cpp"}).json()
+    assert r["status"] == "Failed" and r["run_result"] is None, r
+    assert r["compile_result"]["return_code"] != 0 and "missing" in r["compile_result"]["stderr"]
+    r = call(languages_server, code="int main() { for (;;) {} }", language="cpp", run_timeout=1)
+    assert r.status == RunStatus.Failed and r.compile_result.return_code == 0
+    assert r.run_result.status == CommandRunStatus.TimeLimitExceeded
+    r = call(languages_server, code="int main() { return 3; }", language="cpp")
+    assert r.status == RunStatus.Failed and r.run_result.return_code == 3
+
+
+def test_nodejs_and_bash(languages_server):
+    js = ("const s = require('fs').readFileSync(0, 'utf8');\n"
+          "console.log(s.split(' ').map(Number).reduce((a, b) => a + b));\n")
+    r = call(languages_server, code=js, language="nodejs", stdin="1 2")
+    assert r.status == RunStatus.Success and r.run_result.stdout == "3\n", r
+    r = call(languages_server, code="read a b; echo $((a + b))", language="bash", stdin="1 2\n")
+    assert r.status == RunStatus.Success and r.run_result.stdout == "3\n", r
