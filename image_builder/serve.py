@@ -445,9 +445,12 @@ def make_app(runner: Runner, token: str | None, limits: Limits = Limits(),
             log(f"run failed: {type(exc).__name__}: {' '.join(str(exc).splitlines())}")
             return RunCodeResponse("SandboxError", f"the sandbox failed: {type(exc).__name__}: {exc}").to_json()
 
+    def run_for_submit(language: str, code: str, stdin: str, compile_timeout: float, run_timeout: float) -> dict:
+        return runner.run(RunCodeRequest(code, language, stdin, compile_timeout, run_timeout)).to_json()
+
     def evaluated(parsed: Submission) -> dict | JSONResponse:
         try:
-            return evaluate(parsed, runner.session).to_json()
+            return evaluate(parsed, runner.session, run_for_submit).to_json()
         except BadSubmit as exc:  # the row is not its class's: SandboxFusion answers 400 too
             return refused(400, f"not a /submit request: {exc}")
         except Exception as exc:  # a fault of ours: graders answer every candidate with a record

@@ -5,10 +5,11 @@ SandboxFusion finds a submission's tests in its dataset tables by `dataset` and 
 Two of SandboxFusion's dataset classes are served, by their registered dataset name or `config.dataset_type`:
 
 - CommonOJDataset (`code_contests`): `provided_data.test` = [{"input": {"stdin": ...}, "output": {"stdout":
-  ...}}] (a list or its JSON text), `config.language` python. Compared as SandboxFusion compares (grade's
+  ...}}] (a list or its JSON text), in `config.language`. Compared as SandboxFusion compares (grade's
   `sandboxfusion` mode: stripped lines, case-insensitive, numbers within relative 1e-5), each case its own
-  run with `run_timeout` (default 20 s, SandboxFusion's); the answer lists cases up to the first failure
-  (all of them with `config.extra.run_all_cases`).
+  run with `run_timeout` (default 20 s; compiled languages 10 s, after a `compile_timeout` of 10 s,
+  SandboxFusion's); python through the stdio grader, the other languages /run_code serves through its runs;
+  the answer lists cases up to the first failure (all of them with `config.extra.run_all_cases`).
 - MBPPDataset (`mbpp`): `provided_data.test_list` (asserts, a list or its JSON text) and
   `provided_data.labels.test_setup_code`; the completion cut as SandboxFusion cuts it (its first code block,
   up to `[DONE]`, a following `assert` or `\"\"\"`, `if __name__ ==`), the setup code before it.
@@ -27,18 +28,22 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from image_builder.graders.grade import grade
 from image_builder.graders.options import GradeOptions
 from image_builder.graders.results import CaseResult, CaseStatus, GradeResult
+from image_builder.graders.stdio import compare_sandboxfusion
 from image_builder.runtime.execution import Executor
 from image_builder.tasks import AssertTask, StdioTask
 
 # SandboxFusion's registered dataset names of the two classes (its configs' registry).
 DATASET_CLASSES = {"code_contests": "CommonOJDataset", "mbpp": "MBPPDataset"}
 STDIO_TIMEOUT = 20.0  # SandboxFusion's run_timeout default for stdio tests (check_stdio_test_case)
+COMPILE_TIMEOUT = COMPILED_RUN_TIMEOUT = 10.0  # and its defaults for compiled languages
+COMPILED = ("cpp",)
 MBPP_TIMEOUT = 20.0  # and for MBPP's one run
 # Code block languages by SandboxFusion's aliases (sandbox/utils/extraction.py), the ones served here.
 ALIASES = {"python": ("python", "Python", "py", "Python3", "python3", "PY"),
@@ -46,6 +51,10 @@ ALIASES = {"python": ("python", "Python", "py", "Python3", "python3", "PY"),
 FENCED = re.compile(r"```([^\n]*)\n(.*?)\n\s*```", re.DOTALL | re.MULTILINE)
 UNCLOSED = re.compile(r"```([^\n]*)\n(.*)", re.DOTALL | re.MULTILINE)
 PY_BLOCK = re.compile(r"(?:^(?:import|from|#)[^\n]+\n)*^(?:def|class) [^\n]+\n(?:\s+[^\n]+\n)+", re.M)
+
+
+# (language, code, stdin, compile_timeout, run_timeout) -> a /run_code answer's JSON (serve.Runner's)
+RunCode = Callable[[str, str, str, float, float], dict]
 
 
 class BadSubmit(ValueError):
@@ -61,6 +70,7 @@ class Submission:
     row: dict  # config.provided_data
     language: str | None = None
     run_timeout: float | None = None
+    compile_timeout: float | None = None
     is_fewshot: bool = False
     run_all_cases: bool = False
 
@@ -117,34 +127,38 @@ def parse_submit(doc: object) -> Submission:
     language = config.get("language")
     if language is not None and not isinstance(language, str):
         raise BadSubmit("config.language must be a string")
-    timeout = config.get("run_timeout")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                or not 0 < timeout <= 3600):
-        raise BadSubmit(f"config.run_timeout must be seconds in (0, 3600], not {timeout!r}")
+    timeouts = [config.get(key) for key in ("run_timeout", "compile_timeout")]
+    for key, timeout in zip(("run_timeout", "compile_timeout"), timeouts):
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not 0 < timeout <= 3600):
+            raise BadSubmit(f"config.{key} must be seconds in (0, 3600], not {timeout!r}")
     extra = config.get("extra") or {}
     if not isinstance(extra, dict):
         raise BadSubmit("config.extra must be an object")
-    return Submission(dataset, ident, completion, dataset_class, row, language,
-                      None if timeout is None else float(timeout), bool(config.get("is_fewshot")),
-                      bool(extra.get("run_all_cases")))
+    run_timeout, compile_timeout = (None if t is None else float(t) for t in timeouts)
+    return Submission(dataset, ident, completion, dataset_class, row, language, run_timeout, compile_timeout,
+                      bool(config.get("is_fewshot")), bool(extra.get("run_all_cases")))
 
 
-def evaluate(submission: Submission, executor: Executor) -> EvalResult:
-    """The EvalResult of one submission, graded in `executor` (BadSubmit: the row is not the class's)."""
+def evaluate(submission: Submission, executor: Executor, run_code: RunCode | None = None) -> EvalResult:
+    """The EvalResult of one submission, graded in `executor`; languages other than python through `run_code`
+    (/run_code's). BadSubmit: the row is not the class's, or the language is not served."""
     if submission.dataset_class == "CommonOJDataset":
-        return _common_oj(submission, executor)
+        return _common_oj(submission, executor, run_code)
     return _mbpp(submission, executor)
 
 
-def _common_oj(s: Submission, executor: Executor) -> EvalResult:
+def _common_oj(s: Submission, executor: Executor, run_code: RunCode | None) -> EvalResult:
     if not s.language:
         raise BadSubmit("config.language field must exist for CommonOJDataset, got None")
-    if s.language != "python":
-        raise BadSubmit(f"config.language {s.language!r}: /submit grades python here")
     cases = _json_field(s.row, "test")
     if not isinstance(cases, list) or not cases or not all(_stdio_case(c) for c in cases):
         raise BadSubmit("provided_data.test must be a non-empty list of {input: {stdin}, output: {stdout}}")
     code, kind = extract(s.completion, s.language)
+    if s.language != "python":
+        if run_code is None:
+            raise BadSubmit(f"config.language {s.language!r}: only python is graded without /run_code's languages")
+        return _stdio_runs(s, code, kind, cases, run_code)
     task = StdioTask(str(s.id), tuple(c["input"]["stdin"] for c in cases), tuple(c["output"]["stdout"] for c in cases),
                      str(s.id), compare="sandboxfusion")
     result = grade(task, code, executor, GradeOptions(stdio_timeout=s.run_timeout or STDIO_TIMEOUT))
@@ -154,6 +168,25 @@ def _common_oj(s: Submission, executor: Executor) -> EvalResult:
         failed = next((i for i, t in enumerate(tests) if not t.passed), None)
         tests = tests if failed is None else tests[:failed + 1]
     return EvalResult(s.id, _accepted(result, tests), code, tests=tests, extracted_type=kind)
+
+
+def _stdio_runs(s: Submission, code: str, kind: str, cases: list[dict], run_code: RunCode) -> EvalResult:
+    """A compiled or other language's cases, each a /run_code run (SandboxFusion compiles per case too), its
+    stdout judged here by SandboxFusion's rule; the run's answer is the case's exec_info."""
+    compiled = s.language in COMPILED
+    tests = []
+    for case in cases:
+        answer = run_code(s.language, code, case["input"]["stdin"], s.compile_timeout or COMPILE_TIMEOUT,
+                          s.run_timeout or (COMPILED_RUN_TIMEOUT if compiled else STDIO_TIMEOUT))
+        if answer["status"] == "SandboxError" and answer["message"].startswith("language "):
+            raise BadSubmit(answer["message"])
+        stdout = (answer.get("run_result") or {}).get("stdout")
+        passed = (answer["status"] == "Success" and stdout is not None
+                  and compare_sandboxfusion(stdout, case["output"]["stdout"]) is None)
+        tests.append(EvalTestCase(passed, answer, case))
+        if not passed and not s.run_all_cases:
+            break
+    return EvalResult(s.id, all(t.passed for t in tests), code, tests=tests, extracted_type=kind)
 
 
 def _mbpp(s: Submission, executor: Executor) -> EvalResult:

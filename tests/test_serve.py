@@ -456,3 +456,20 @@ def test_nodejs_and_bash(languages_server):
     assert r.status == RunStatus.Success and r.run_result.stdout == "3\n", r
     r = call(languages_server, code="read a b; echo $((a + b))", language="bash", stdin="1 2\n")
     assert r.status == RunStatus.Success and r.run_result.stdout == "3\n", r
+
+
+def test_submit_a_cpp_stdio_problem(languages_server):
+    """CommonOJDataset in C++: each case compiled and run through /run_code's runs, judged by SandboxFusion's
+    rule; a wrong answer stops at its first failed case."""
+    tests = [{"input": {"stdin": "1 2\n"}, "output": {"stdout": "3\n"}},
+             {"input": {"stdin": "40 2\n"}, "output": {"stdout": "42\n"}}]
+    result = oj(languages_server, f"```cpp\n{SUM_CPP}```", tests, language="cpp")
+    assert result.accepted and [t.passed for t in result.tests] == [True, True], result
+    assert result.tests[0].exec_info.compile_result.return_code == 0
+    wrong = SUM_CPP.replace("a + b", "a - b")
+    result = oj(languages_server, f"```c++\n{wrong}```", tests, language="cpp")
+    assert not result.accepted and [t.passed for t in result.tests] == [False]
+    r = requests.post(f"{languages_server.url}/submit", timeout=60, json={
+        "dataset": "code_contests", "id": 1, "completion": "x",
+        "config": {"language": "cobol", "provided_data": {"test": tests}}})
+    assert r.status_code == 400 and "language 'cobol' is not served here" in r.json()["detail"], r.text
