@@ -497,11 +497,14 @@ def _has(layers, path: str) -> bool:
 @click.option("--env", "env_name", metavar="NAME", help="The environment runs use (default: the store's only, "
                                                         "else first by name).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
-@click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="0: a free one.")
 @click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path),
               help="Bearer token clients send (made, mode 600, when absent; default: "
                    "$XDG_CONFIG_HOME/image_builder/serve.token).")
 @click.option("--no-token", is_flag=True, help="No authentication (loopback only: any user of the node can call it).")
+@click.option("--url-file", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the server's URL here once it listens (the host's name when listening on all addresses); "
+                   "removed when it stops.")
 @click.option("--max-concurrency", type=click.IntRange(1), default=4, show_default=True, help="Runs at once.")
 @click.option("--queue", type=click.IntRange(0), default=16, show_default=True,
               help="Requests waiting for a run; past them, 503 with Retry-After.")
@@ -509,7 +512,8 @@ def _has(layers, path: str) -> bool:
               help="Largest request body (K, M, G); past it, 413.")
 @runtime_backend_option
 @_one_line_errors
-def serve(store, env_name, host, port, token_file, no_token, max_concurrency, queue, body_limit, backend):
+def serve(store, env_name, host, port, token_file, no_token, url_file, max_concurrency, queue, body_limit,
+          backend):
     """Serve SandboxFusion's API (POST /run_code, POST /submit, GET /health) over an environment of STORE.
 
     Each run gets a fresh root and no network, as `run`. /run_code's verdict is the
@@ -526,8 +530,9 @@ def serve(store, env_name, host, port, token_file, no_token, max_concurrency, qu
 
     from image_builder.runtime.backends import open_session
     from image_builder.runtime.session import Backend
-    from image_builder.serve import Limits, Runner, default_token_file, environment_layers, load_or_create_token, \
-        make_app
+    from image_builder.serve import Limits, Runner, default_token_file, environment_layers, listen, \
+        load_or_create_token, make_app, url_of
+    from image_builder.store.files import atomic_write
     from image_builder.store.store import Store
     if no_token:
         try:
@@ -543,15 +548,24 @@ def serve(store, env_name, host, port, token_file, no_token, max_concurrency, qu
         click.echo(f"image-builder serve: token {'written to' if made else 'read from'} {token_file} "
                    "(send it as 'Authorization: Bearer TOKEN')", err=True)
     layers, name = environment_layers(Store.open(store), env_name)
+    sock = listen(host, port)
+    url = url_of(sock, host)
     # uvicorn re-raises the SIGTERM it stopped on once it is done: end as asked, but through the `with`
     # below, so the session closes (its mounts let go) rather than the process dying inside uvicorn.run.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with open_session(layers, backend=Backend(backend) if backend else None) as session:
         runner = Runner.probe(session)
         click.echo(f"image-builder serve: environment {name} ({', '.join(sorted(runner.languages)) or 'no languages'})"
-                   f" on http://{host}:{port}", err=True)
-        uvicorn.run(make_app(runner, token, Limits(max_concurrency, queue, body_limit)), host=host, port=port,
-                    access_log=False, log_level="warning")
+                   f" on {url}", err=True)
+        server = uvicorn.Server(uvicorn.Config(make_app(runner, token, Limits(max_concurrency, queue, body_limit)),
+                                               access_log=False, log_level="warning"))
+        if url_file:
+            atomic_write(url_file, lambda f: f.write(f"{url}\n".encode()))
+        try:
+            server.run(sockets=[sock])
+        finally:
+            if url_file:
+                url_file.unlink(missing_ok=True)  # a stopped server's URL is not left for clients to find
 
 
 @main.command()
@@ -1206,6 +1220,43 @@ def slurm_grade(store, tasks, predictions, output, shards, partition, time_limit
                   *(("--instance", instance) if instance else ()), *(("--net",) if net else ())]
     plan = slurm.grade_plan(store, tasks, predictions, output, shards, tuple(grade_args))
     _launch(plan, slurm.SbatchOptions(partition, time_limit, cpus_per_task, sbatch_args), wait, poll)
+
+
+@slurm_group.command(name="serve")
+@store_option
+@click.option("--nodes", type=click.IntRange(1), default=1, show_default=True, help="Servers: one per node.")
+@click.option("--env", "env_name", metavar="NAME", help="The environment runs use (serve's --env).")
+@click.option("--port", type=click.IntRange(0, 65535), default=0, show_default=True,
+              help="Each server's port (0: a free one on its node).")
+@click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path),
+              help="The token every server takes, on the shared filesystem (made, mode 600, when absent; default: "
+                   "$XDG_CONFIG_HOME/image_builder/serve.token).")
+@click.option("--max-concurrency", type=click.IntRange(1), default=4, show_default=True,
+              help="Runs at once, per server.")
+@click.option("--queue", type=click.IntRange(0), default=16, show_default=True, help="Waiting requests, per server.")
+@click.option("--wait-timeout", type=click.FloatRange(1), default=600.0, show_default=True, metavar="SECONDS",
+              help="How long to wait for every server to listen (the job may queue first).")
+@_with(sbatch_options)
+@_one_line_errors
+def slurm_serve(store, nodes, env_name, port, token_file, max_concurrency, queue, wait_timeout, partition, time_limit,
+                cpus_per_task, sbatch_args):
+    """Start `serve` on each node of a Slurm job, wait until all listen, and print their URLs (also written to
+    STORE/slurm/serve-<time>/urls.txt, one per line): give trainer worker i the URL on line i mod N."""
+    from image_builder import slurm
+    from image_builder.serve import default_token_file, environment_layers, load_or_create_token
+    from image_builder.store.store import Store
+    environment_layers(Store.open(store), env_name)  # an unknown environment fails here, not on every node
+    token_file = (token_file or default_token_file()).absolute()
+    _, made = load_or_create_token(token_file)  # made once here, so that every node reads the same token
+    args = ("--port", str(port), "--token-file", str(token_file), "--max-concurrency", str(max_concurrency),
+            "--queue", str(queue), *(("--env", env_name) if env_name else ()))
+    job = slurm.start_servers(store, nodes, args, slurm.SbatchOptions(partition, time_limit, cpus_per_task,
+                                                                      sbatch_args))
+    click.echo(f"job {job.job}: {nodes} server{'s' if nodes > 1 else ''} starting ({job.directory}); token "
+               f"{'written to' if made else 'read from'} {token_file}", err=True)
+    for url in slurm.wait_for_servers(job, wait_timeout):
+        click.echo(url)
+    click.echo(f"URLs in {job.directory / 'urls.txt'}; stop the servers with: scancel {job.job}", err=True)
 
 
 def _launch(plan, sbatch, wait: bool, poll: float) -> None:

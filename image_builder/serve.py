@@ -24,6 +24,7 @@ import json
 import os
 import secrets
 import shlex
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -503,6 +504,27 @@ class _AccessLog:
             client = scope.get("client") or ("-", 0)
             self.log(f"{client[0]}:{client[1]} {scope['method']} {scope['path']} {seen['status']} "
                      f"{seen['bytes']}B {time.monotonic() - start:.3f}s")
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket for uvicorn (port 0: a free one), so that the URL is known before serving."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ServeError(f"cannot listen on {host}:{port} ({exc.strerror}); give another --port (0: a free one)") \
+            from None
+    sock.listen(128)
+    return sock
+
+
+def url_of(sock: socket.socket, host: str) -> str:
+    """How clients reach the socket: the host's name when it listens on every address (a cluster's nodes)."""
+    name = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
+    return f"http://{f'[{name}]' if ':' in name else name}:{sock.getsockname()[1]}"
 
 
 def environment_layers(store, name: str | None, workdir: str = WORKDIR) -> tuple[InstanceLayers, str]:

@@ -507,3 +507,89 @@ def grade_plan(store: Path, tasks: Path, predictions: Path, output: Path, shards
              Raw(f'"$DIR"/results/shard-*-of-{shards}.jsonl'))
     return Plan("grade", output.parent, shards, (Stage("shard", (grade,), array=True), Stage("merge", (merge,))),
                 output)
+
+
+# --- serving: one `image-builder serve` per node of an allocation --------------------------------------------
+
+@dataclass(frozen=True)
+class ServeJob:
+    """A job running a server on each of its nodes; each writes its URL to urls/<node> once it listens and
+    removes it when it stops, and urls.txt lists them all once every node's server is up."""
+    directory: Path
+    job: str
+    nodes: int
+
+    @property
+    def log(self) -> Path:
+        return self.directory / "logs" / f"serve.{self.job}.log"
+
+    def urls(self) -> list[str]:
+        found = [p.read_text().strip() for p in sorted((self.directory / "urls").glob("*"))
+                 if not p.name.startswith(".")]
+        return [u for u in found if u]
+
+
+def _serve_script(run_dir: Path, store: Path, nodes: int, serve_args: tuple[str, ...], directives: list[str]) -> str:
+    serve = _render((sys.executable, "-m", "image_builder.cli", "serve", "--store", str(store), "--host", "0.0.0.0",
+                     *serve_args))
+    return "\n".join([
+        "#!/bin/bash",
+        f"# image-builder slurm serve: SandboxFusion's API over {store}, one server per node of {nodes}, written "
+        f"{time.strftime('%Y-%m-%d %H:%M:%S')}.",
+        "# Each writes its URL to urls/<node> when it listens (removed when it stops); stop them with scancel.",
+        f"#SBATCH --nodes={nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        *directives,
+        "set -uo pipefail",
+        f"export DIR={shlex.quote(str(run_dir))}",
+        # One task per node, each naming its own URL file ($SLURMD_NODENAME is the task's node).
+        f"srun --kill-on-bad-exit=0 bash -c 'exec \"$@\" --url-file \"$DIR/urls/$SLURMD_NODENAME\"' serve {serve}",
+    ]) + "\n"
+
+
+def start_servers(store: Path, nodes: int, serve_args: tuple[str, ...], sbatch: SbatchOptions) -> ServeJob:
+    """Write STORE/slurm/serve-<time>/job.sh and submit it; nothing is waited for."""
+    directives = sbatch.directives()
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for attempt in range(100):
+        run_dir = (store / "slurm" / f"serve-{stamp}{f'-{attempt}' if attempt else ''}").resolve()
+        try:
+            run_dir.mkdir(parents=True)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise SlurmError(f"{store / 'slurm'}: cannot make a new run directory")
+    for sub in ("logs", "urls"):
+        (run_dir / sub).mkdir()
+    script = run_dir / "job.sh"
+    script.write_text(_serve_script(run_dir, store.resolve(), nodes, serve_args, directives))
+    script.chmod(0o755)
+    r = subprocess.run([_tool("sbatch"), "--parsable", "--job-name=ib-serve",
+                        f"--output={run_dir}/logs/serve.%j.log", str(script)], capture_output=True, text=True)
+    if r.returncode:
+        why = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[-1]
+        raise SlurmError(f"sbatch {script} failed: {why}")
+    return ServeJob(run_dir, r.stdout.strip().split(";")[0], nodes)
+
+
+def wait_for_servers(job: ServeJob, timeout: float, poll: float = 1.0) -> list[str]:
+    """The servers' URLs once all are up, also written to urls.txt (one per line); SlurmError when the job
+    ended first (with its log's last lines) or `timeout` passed (the job is left to run: scancel it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        urls = job.urls()
+        if len(urls) >= job.nodes:
+            text = "".join(f"{u}\n" for u in urls)
+            tmp = job.directory / ".urls.txt.tmp"
+            tmp.write_text(text)
+            tmp.replace(job.directory / "urls.txt")
+            return urls
+        state = _squeue({job.job}).get(job.job, ("ENDED", ""))[0]
+        if state in ENDED or state == "ENDED":
+            tail = " | ".join(log_excerpt(job.log, 3)) if job.log.exists() else "no log"
+            raise SlurmError(f"job {job.job} ended ({state}) with {len(urls)} of {job.nodes} servers up: {tail}")
+        if time.monotonic() > deadline:
+            raise SlurmError(f"job {job.job}: {len(urls)} of {job.nodes} servers up after {timeout:g} s ({state}); "
+                             f"its log: {job.log}; scancel {job.job} to give up")
+        time.sleep(poll)

@@ -4,6 +4,9 @@ slurmd)."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import socket
 import subprocess
 import tempfile
 import time
@@ -11,6 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+import requests
 import yaml
 
 from image_builder.errors import ImageBuilderError
@@ -25,6 +29,7 @@ from tests.support.grader_data import MBPP_SOLUTIONS, MBPP_TASKS
 from tests.support.slurm_cluster import start_cluster
 from tests.test_store import ENV_SCRIPT, catalog
 
+ROOT = Path(__file__).resolve().parents[1]
 EPOCH = {"SOURCE_DATE_EPOCH": "1700000000"}
 
 
@@ -307,3 +312,34 @@ def test_sharded_slurm_import_equals_one_process_import(tmp_path, registries, sl
     assert run.kind == "import"
     merge_log = run.log("merge", run.submissions()[-1].jobs["merge"]).read_text()
     assert "merged 3 fragments" in merge_log and "0 missing, 0 corrupt" in merge_log
+
+
+def test_slurm_serve_starts_a_server_per_node_and_lists_their_urls(tmp_path, mbpp_store, slurm_cluster):
+    """A real job on the test cluster's node: the server listens on all addresses with the token made on the
+    login side, its URL (the node's name, a free port) is listed, and it answers; scancel stops it and its URL
+    file goes."""
+    token_file = tmp_path / "token"
+    proc = subprocess.Popen([str(ROOT / ".venv/bin/image-builder"), "slurm", "serve", "--store", str(mbpp_store),
+                             "--nodes", "1", "--token-file", str(token_file), "--wait-timeout", "120"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **slurm_cluster.env})
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err + slurm_cluster.logs()
+    urls = out.split()
+    assert len(urls) == 1 and urls[0].startswith(f"http://{socket.gethostname()}:"), out
+    job = re.search(r"scancel (\d+)", err).group(1)
+    run_dir = next((mbpp_store / "slurm").glob("serve-*"))
+    assert (run_dir / "urls.txt").read_text() == f"{urls[0]}\n"
+    token = token_file.read_text().strip()
+    try:
+        r = requests.post(f"{urls[0]}/run_code", json={"code": "print(6 * 7)", "language": "python"},
+                          headers={"Authorization": f"Bearer {token}"}, timeout=60)
+        assert r.status_code == 200 and r.json()["run_result"]["stdout"] == "42\n", r.text
+        assert requests.post(f"{urls[0]}/run_code", json={"code": "1", "language": "python"},
+                             timeout=60).status_code == 401, "the token is asked on every node"
+    finally:
+        slurm_cluster.run("scancel", job)
+    deadline = time.monotonic() + 60
+    while list((run_dir / "urls").iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not list((run_dir / "urls").iterdir()), "a stopped server's URL is removed"
