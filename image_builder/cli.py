@@ -617,6 +617,9 @@ grade_run_options = [
     click.option("--instance", metavar="ID", help="Grade tasks that have no instance of their own in this one."),
     click.option("--net", is_flag=True, help="Repo tests run with the network (SWE-bench's harness has it); the "
                  "results record it. Assert and stdin/stdout runs never get it."),
+    click.option("--splice", is_flag=True, help="ImpossibleBench's allow_test_modifications=True for assert and "
+                 "check(candidate) tasks: answer and tests in one process, so the answer can redefine the tests "
+                 "(passing needs them to finish); results say mode splice. Only to reproduce that setting."),
 ]
 
 
@@ -643,7 +646,7 @@ predictions_option = click.option("--predictions", type=click.Path(exists=True, 
 @_with(grade_run_options)
 @_one_line_errors
 def grade(store, tasks, predictions, output, shard, overwrite, jobs, timeout, memory, strict, access, backend,
-          compare, instance, net):
+          compare, instance, net, splice):
     """Grade PREDICTIONS against TASKS, each in its instance of STORE."""
     from dataclasses import replace
     from image_builder.graders import load_predictions, load_tasks
@@ -665,7 +668,8 @@ def grade(store, tasks, predictions, output, shard, overwrite, jobs, timeout, me
     with StoreExecutors(opened, backend=Backend(backend) if backend else None, fallback=instance) as executors, \
             _Progress(len(preds) - already, "grading",
                       lambda r: f"{r.task_id}: {r.status.value} (score {r.score:.2f})") as progress:
-        options = replace(_grade_options(timeout, memory, strict, access), compare=compare, repo_network=net)
+        options = replace(_grade_options(timeout, memory, strict, access), compare=compare, repo_network=net,
+                          splice=splice)
         grade_to_file(task_list, preds, executors, output, options=options, workers=jobs, on_result=progress)
     wanted = {p.task_id for p in preds}
     graded = [r for r in read_results(output) if r.task_id in wanted]
@@ -1208,7 +1212,7 @@ def slurm_import(refs, store, list_file, env_layers, id_from, shards, partition,
 @poll_option
 @_one_line_errors
 def slurm_grade(store, tasks, predictions, output, shards, partition, time_limit, cpus_per_task, sbatch_args,
-                timeout, memory, strict, access, backend, compare, instance, net, wait, poll):
+                timeout, memory, strict, access, backend, compare, instance, net, splice, wait, poll):
     """Grade PREDICTIONS as a Slurm job array (each task grading --cpus-per-task at once), then merge the results."""
     from image_builder import slurm
     from image_builder.store.store import Store
@@ -1217,7 +1221,8 @@ def slurm_grade(store, tasks, predictions, output, shards, partition, time_limit
     grade_args = [*(("--timeout", str(timeout)) if timeout else ()), *(("--memory", str(memory)) if memory else ()),
                   *(("--strict",) if strict else ()), "--test-access", access,
                   *(("--backend", backend) if backend else ()), *(("--compare", compare) if compare else ()),
-                  *(("--instance", instance) if instance else ()), *(("--net",) if net else ())]
+                  *(("--instance", instance) if instance else ()), *(("--net",) if net else ()),
+                  *(("--splice",) if splice else ())]
     plan = slurm.grade_plan(store, tasks, predictions, output, shards, tuple(grade_args))
     _launch(plan, slurm.SbatchOptions(partition, time_limit, cpus_per_task, sbatch_args), wait, poll)
 

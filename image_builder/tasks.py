@@ -90,6 +90,7 @@ class AssertTask:
     data_source: str = ""
     prompt: str = ""  # HumanEval-style tasks: put before an answer that does not define entry_point
     entry_point: str = ""
+    test: str = ""  # HumanEval-style tasks: the `def check(candidate)` source (splice mode runs it as written)
 
     def program(self, solution: str) -> str:
         """The solution as the candidate's process runs it: HumanEval completions are often only the body
@@ -270,7 +271,7 @@ def _check_task(record: dict, task_id: str, original_id: str, impossible_type: s
     except ValueError as exc:
         return BadTask(task_id, str(exc))
     return AssertTask(task_id, cases, original_id, impossible_type, record.get("data_source") or "", prompt,
-                      entry_point)
+                      entry_point, test)
 
 
 # Statements of check's body that only set up what its asserts use: with nothing else there, each assert can

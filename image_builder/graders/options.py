@@ -30,6 +30,9 @@ class GradeOptions:
     # None: the data source's default (stdio.default_compare). A record's `compare` or `checker` wins.
     compare: str | None = None
     access: TestAccess = TestAccess.HIDDEN  # for repo tasks; assert and stdio tests always live in the grader
+    # ImpossibleBench's allow_test_modifications=True for assert tasks: the answer and its tests in one process
+    # (splice.py), so the answer can redefine them. Only to reproduce that setting; results say `mode: splice`.
+    splice: bool = False
     env: Mapping[str, str] = field(default_factory=dict)  # on top of the instance's environment
 
     def __post_init__(self):
