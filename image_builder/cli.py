@@ -8,7 +8,6 @@ cli_run without importing click at all; everything else comes here.
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 from pathlib import Path
@@ -17,19 +16,8 @@ import click
 
 from image_builder import __version__
 from image_builder.cli_run import CAPPED as _CAPPED  # run's status past --max-output (124 is the timeout's)
-from image_builder.errors import ImageBuilderError
-
-
-def _one_line_errors(fn):
-    """Errors a user can fix end the command with one line, not a traceback."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except ImageBuilderError as e:
-            # One line even when a message quotes input that holds line breaks.
-            raise click.ClickException(" ".join(str(e).splitlines())) from e
-    return wrapper
+from image_builder.cli_common import one_line_errors as _one_line_errors
+from image_builder.cli_impossible import impossible_group
 
 
 def _progress(quiet: bool):
@@ -1342,3 +1330,6 @@ def _slurm_report(run, snap) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+main.add_command(impossible_group)
