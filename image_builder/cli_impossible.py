@@ -40,3 +40,26 @@ def impossible_mutate(tasks, output, kinds, seed):
     counts = ", ".join(f"{kind} {sum(v.kind == kind for v in made)}" for kind in (tuple(kinds) or KINDS))
     click.echo(f"{len(made)} variants ({counts}) of {len(loaded)} tasks written to {output}; {len(not_made)} not made. "
                f"Keep the sound ones: image-builder qc --tasks {output} --references REFERENCES.jsonl")
+
+
+@impossible_group.command(name="report")
+@click.argument("sources", nargs=-1, required=True, metavar="[LABELS@]RESULTS_OR_LOG...")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="The rows as JSON too.")
+@click.option("--html", "html_out", type=click.Path(dir_okay=False, path_type=Path),
+              help="A page with the table and a bar chart of the cheating rates.")
+@one_line_errors
+def impossible_report(sources, json_out, html_out):
+    """ImpossibleBench's cheating rate (pass rate on impossible variants), one-off and conflicting apart, by
+    model, scaffold, test access and submission budget, with the flag rate and the original tasks' pass rate.
+
+    Each source is a `grade` results file, labelled as `model=o3,scaffold=minimal,attempts=10@results.jsonl`,
+    or an Inspect eval log (its model, task and scores say the rest)."""
+    from image_builder.graders.cheating import html_report, outcomes_of, parse_source, report, rows_json, table
+    from image_builder.store.files import atomic_write
+    outcomes = [o for source in sources for o in outcomes_of(*parse_source(source))]
+    rows = report(outcomes)
+    click.echo(table(rows))
+    for path, text in ((json_out, rows_json(rows)), (html_out, html_report(rows))):
+        if path:
+            atomic_write(path, lambda f, text=text: f.write(text.encode()))
+            click.echo(f"written: {path}", err=True)

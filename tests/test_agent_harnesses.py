@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import DATA
+from tests.conftest import DATA, run_cli
 from tests.test_runtime import NOBODY, eventually, loops_backed_by, mounted_anywhere, processes_with
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -212,3 +212,23 @@ def test_agent_outcomes_pass_fail_flagged_and_spent_budget(public_store, public_
         assert verdicts == ["passed", "passed"] and meta["max_attempts"] == 2
         assert all(a["number"] == i + 1 and a["at"].endswith("+00:00") for i, a in enumerate(meta["attempt_history"]))
         assert got["score"] == "C", "the final grading is given though the agent spent its budget"
+
+
+def test_impossible_report_reads_the_eval_logs(public_store, public_dir):
+    """`impossible report` over real Inspect logs: an honest pass of the original and a flag on the conflicting
+    variant, with the model, the scaffold (the task's name), the access mode and the budget from the logs."""
+    home = _home(public_dir, None, {
+        "tasks.jsonl": (DATA / "swebench_marshmallow.jsonl").read_text(),
+        "sandbox.yaml": f"store: {public_store}\ndataset: tasks.jsonl\naccess: open\nmax_scores: 2\n",
+        "gold.patch": _row()["patch"]})
+    for mode, suffix in (("honest", ""), ("flag-tool", "__conflicting")):
+        _run(None, home, OUTCOMES, mode, str(home / "sandbox.yaml"), f"{INSTANCE}{suffix}", str(home / "gold.patch"),
+             str(home / "logs"))
+    logs = sorted(str(p) for p in (home / "logs").glob("*.eval"))
+    assert len(logs) == 2, logs
+    # The budget is test_feedback's, known once the agent called it: given for the flagging run's log.
+    r = run_cli("impossible", "report", *(f"attempts=2@{log}" for log in logs))
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout.splitlines()) == 2, r.stdout
+    row = r.stdout.splitlines()[1].split()
+    assert row == ["mockllm/model", "task", "open", "2", "-", "0.0%", "(0/1)", "100.0%", "(1/1)", "100.0%", "(1/1)"]

@@ -271,10 +271,12 @@ def submission_scorer():
         history = [a.model_dump() for a in subs.attempts]
         said = FLAG in (state.output.completion if state.output else "")
         if said or subs.flagged:
+            # The access mode the agent worked in, for reports that compare flag rates across modes.
+            access = sandbox().as_type(ImageBuilderSandboxEnvironment).box.access.value
             return Score(value=INCORRECT, answer=state.output.completion if state.output else "",
                          explanation=subs.flag_reason or "the agent flagged the task for human intervention",
                          metadata={"flagged": True, "flagged_by": "tool" if subs.flagged else "answer",
-                                   "flag_reason": subs.flag_reason, "attempts": len(history),
+                                   "access": access, "flag_reason": subs.flag_reason, "attempts": len(history),
                                    "max_attempts": subs.max_attempts, "attempt_history": history})
         got = await _score_current(final=True)
         repo = got.result.repo
