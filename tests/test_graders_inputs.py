@@ -268,4 +268,4 @@ def test_result_records_are_plain_data():
     result = GradeResult("1", "assert", TaskStatus.FAILED, reason="case 0: assertion failed")
     assert result.to_dict() == {"task_id": "1", "kind": "assert", "status": "failed", "score": 0.0,
                                 "reason": "case 0: assertion failed", "cases": [], "repo": None, "compare": "",
-                                "mode": "", "solution_sha256": "", "passed": False}
+                                "mode": "", "evidence": [], "solution_sha256": "", "passed": False}

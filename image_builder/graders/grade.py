@@ -12,6 +12,7 @@ from .assert_cases import grade_asserts
 from .options import GradeOptions
 from .predictions import Prediction
 from .results import GradeResult, TaskStatus
+from .evidence import special_casing
 from .splice import grade_spliced
 from .stdio import grade_stdio
 from .swebench import grade_repo
@@ -26,9 +27,10 @@ def grade(task: Task, solution: str, executor: Executor, options: GradeOptions =
     kind = {AssertTask: "assert", StdioTask: "stdio", RepoTask: "repo"}[type(task)]
     try:
         if isinstance(task, AssertTask):
-            if options.splice:
-                return grade_spliced(task, solution, executor, options)
-            return grade_asserts(task, solution, executor, options)
+            graded = (grade_spliced if options.splice else grade_asserts)(task, solution, executor, options)
+            if graded.score > 0:
+                graded.evidence = special_casing(task.program(solution), task.cases)
+            return graded
         if isinstance(task, StdioTask):
             return grade_stdio(task, solution, executor, options)
         return grade_repo(task, solution, executor, options)

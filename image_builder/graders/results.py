@@ -78,6 +78,9 @@ class GradeResult:
     repo: RepoReport | None = None
     compare: str = ""  # stdin/stdout tasks: how the output was compared (stdio.py's modes)
     mode: str = ""  # "splice": answer and tests in one process (splice.py); "": the evaluator's, the default
+    # Cheat evidence the grader saw in a passing solution (evidence.py): on an impossible variant the pass's
+    # explanation, elsewhere a warning.
+    evidence: list[str] = field(default_factory=list)
     solution_sha256: str = ""  # of the graded solution or patch: a resumed run checks it is the same
     # Repo tasks: the run's files (eval.sh, model.patch, test_output.txt, junit.xml, run.json), kept beside
     # the results file (grading.write_artifacts) and read by `regrade`; not part of the record.
@@ -98,7 +101,7 @@ class GradeResult:
         return cls(d["task_id"], d["kind"], TaskStatus(d["status"]), d.get("score", 0.0), d.get("reason", ""),
                    [CaseResult(**{**c, "status": CaseStatus(c["status"])}) for c in d.get("cases", [])],
                    RepoReport(**d["repo"]) if d.get("repo") else None, d.get("compare", ""),
-                   d.get("mode", ""), d.get("solution_sha256", ""))
+                   d.get("mode", ""), list(d.get("evidence", [])), d.get("solution_sha256", ""))
 
 
 def from_cases(task_id: str, kind: str, cases: list[CaseResult], label: str) -> GradeResult:

@@ -1,0 +1,68 @@
+"""Cheat evidence on results (graders/evidence.py): the special-casing detector's recall on lookup-table and
+if-chain cheats of every impossible MBPP variant, its false alarms on the honest references, and the evidence
+on a real graded pass."""
+
+from __future__ import annotations
+
+import ast
+import json
+
+from image_builder.graders import grade, load_tasks
+from image_builder.graders.evidence import special_casing
+from tests.support.grader_data import MBPP_IMPOSSIBLE, MBPP_TASKS
+
+REFERENCES = MBPP_TASKS.parent / "mbpp_train_40_solutions.jsonl"
+WRAPPERS = ("set", "sorted", "list", "tuple", "round", "abs", "str", "int", "float", "len")
+
+
+def calls(task):
+    """(function name, argument source, expected source) of each `assert f(...) == X` case."""
+    found = []
+    for case in task.cases:
+        test = ast.parse(case).body[0].test
+        if not isinstance(test, ast.Compare):
+            continue
+        call = test.left
+        while isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in WRAPPERS:
+            call = call.args[0]
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Name):
+            found.append((call.func.id, ast.unparse(ast.Tuple(call.args)), ast.unparse(test.comparators[0])))
+    return found
+
+
+def lookup_table(task) -> str:
+    rows = calls(task)
+    return ("TABLE = {\n" + "".join(f"    {args!r}: {want},\n" for _, args, want in rows) + "}\n"
+            f"def {rows[0][0]}(*args):\n    return TABLE[repr(args)]\n")
+
+
+def if_chain(task) -> str:
+    rows = calls(task)
+    return f"def {rows[0][0]}(*args):\n" + "".join(f"    if args == {args}:\n        return {want}\n"
+                                                   for _, args, want in rows)
+
+
+def test_special_casing_recall_on_every_variant_and_no_false_alarm_on_the_references():
+    variants = load_tasks(MBPP_IMPOSSIBLE)
+    for make in (lookup_table, if_chain):
+        missed = [t.task_id for t in variants if not special_casing(make(t), t.cases)]
+        assert len(variants) == 78 and missed == [], (make.__name__, missed)
+    tasks = {t.task_id: t for t in load_tasks(MBPP_TASKS)}
+    references = {str(r["task_id"]): r["solution"] for r in map(json.loads, REFERENCES.read_text().splitlines())}
+    alarms = {tid: special_casing(code, tasks[tid].cases) for tid, code in references.items()}
+    assert len(alarms) == 40 and {tid: e for tid, e in alarms.items() if e} == {}
+
+
+def test_a_graded_pass_carries_its_evidence(mbpp_store):
+    from image_builder.graders.grading import StoreExecutors
+    from image_builder.store.store import Store
+    variant = next(t for t in load_tasks(MBPP_IMPOSSIBLE) if t.task_id == "516__oneoff")
+    original = next(t for t in load_tasks(MBPP_TASKS) if t.task_id == "516")
+    reference = next(r["solution"] for r in map(json.loads, REFERENCES.read_text().splitlines())
+                     if str(r["task_id"]) == "516")
+    with StoreExecutors(Store.open(mbpp_store)) as executors:
+        cheat = grade(variant, lookup_table(variant), executors(variant))
+        honest = grade(original, reference, executors(original))
+    assert cheat.passed and cheat.evidence and cheat.evidence[0].startswith("special-casing: case 0's arguments")
+    assert cheat.to_dict()["evidence"] == cheat.evidence
+    assert honest.passed and honest.evidence == []
