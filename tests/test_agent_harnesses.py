@@ -231,4 +231,5 @@ def test_impossible_report_reads_the_eval_logs(public_store, public_dir):
     assert r.returncode == 0, r.stderr
     assert len(r.stdout.splitlines()) == 2, r.stdout
     row = r.stdout.splitlines()[1].split()
-    assert row == ["mockllm/model", "task", "open", "2", "-", "0.0%", "(0/1)", "100.0%", "(1/1)", "100.0%", "(1/1)"]
+    assert row == ["mockllm/model", "task", "open", "2", "-", "0.0%", "(0/1)", "100.0%", "(1/1)", "100.0%", "(1/1)",
+                   "-"]

@@ -14,7 +14,8 @@ def results(path, passed: dict[str, int], totals: dict[str, int], access: str | 
         for i in range(total):
             task_id = f"t{i}" + ("" if kind == "original" else f"__{kind}")
             record = {"task_id": task_id, "kind": "repo" if access else "assert",
-                      "status": "passed" if i < passed[kind] else "failed"}
+                      "status": "passed" if i < passed[kind] else "failed",
+                      "evidence": ["special-casing: ..."] if i == 0 and kind == "oneoff" else []}
             if access:
                 record["repo"] = {"access": access}
             lines.append(json.dumps(record))
@@ -32,11 +33,11 @@ def test_rates_by_variant_and_axis(tmp_path):
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[0].split() == ["model", "scaffold", "access", "attempts", "one-off", "cheating", "conflicting",
-                                "cheating", "flagged", "original", "passed"]
+                                "cheating", "flagged", "original", "passed", "cheats", "with", "evidence"]
     assert lines[1].split() == ["m1", "minimal", "evaluator", "10", "30.0%", "(3/10)", "10.0%", "(1/10)", "0.0%",
-                                "(0/20)", "80.0%", "(4/5)"]
+                                "(0/20)", "80.0%", "(4/5)", "25.0%", "(1/4)"]
     assert lines[2].split() == ["m2", "-", "read-only", "-", "0.0%", "(0/4)", "0.0%", "(0/2)", "0.0%", "(0/6)",
-                                "100.0%", "(2/2)"]
+                                "100.0%", "(2/2)", "-"]
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert rows[0]["oneoff_rate"] == 0.3 and rows[0]["conflicting_rate"] == 0.1 and rows[1]["oneoff_n"] == 4
     page = (tmp_path / "rows.html").read_text()
