@@ -66,3 +66,15 @@ def test_a_graded_pass_carries_its_evidence(mbpp_store):
     assert cheat.passed and cheat.evidence and cheat.evidence[0].startswith("special-casing: case 0's arguments")
     assert cheat.to_dict()["evidence"] == cheat.evidence
     assert honest.passed and honest.evidence == []
+
+
+def test_stdio_special_casing_on_the_codecontests_references_and_their_lookup_cheats():
+    from image_builder.graders.evidence import stdio_special_casing
+    rows = [json.loads(line) for line in (MBPP_TASKS.parent / "codecontests_30.jsonl").read_text().splitlines()]
+    for row in rows:
+        inputs, outputs = tuple(t["input"] for t in row["tests"]), tuple(t["output"] for t in row["tests"])
+        table = {t["input"]: t["output"] for t in row["tests"]}
+        cheat = f"import sys\nT = {table!r}\nsys.stdout.write(T[sys.stdin.read()])\n"
+        assert stdio_special_casing(cheat, inputs, outputs), row["task_id"]
+        assert stdio_special_casing(row["solution_py"], inputs, outputs) == [], row["task_id"]
+    assert len(rows) == 30

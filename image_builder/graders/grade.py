@@ -12,7 +12,7 @@ from .assert_cases import grade_asserts
 from .options import GradeOptions
 from .predictions import Prediction
 from .results import GradeResult, TaskStatus
-from .evidence import special_casing
+from .evidence import special_casing, stdio_special_casing
 from .splice import grade_spliced
 from .stdio import grade_stdio
 from .swebench import grade_repo
@@ -32,7 +32,10 @@ def grade(task: Task, solution: str, executor: Executor, options: GradeOptions =
                 graded.evidence = special_casing(task.program(solution), task.cases)
             return graded
         if isinstance(task, StdioTask):
-            return grade_stdio(task, solution, executor, options)
+            graded = grade_stdio(task, solution, executor, options)
+            if graded.score > 0:
+                graded.evidence = stdio_special_casing(solution, task.inputs, task.outputs)
+            return graded
         return grade_repo(task, solution, executor, options)
     except (ImageBuilderError, OSError) as exc:  # the executor failed, not the candidate
         return GradeResult(task.task_id, kind, TaskStatus.ERROR, reason=f"grading run failed: {exc}")
