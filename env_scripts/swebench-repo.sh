@@ -8,6 +8,8 @@
 #   BASE_COMMIT   the commit to check out (optional: a history layer has no checkout)
 #   WORKDIR       where the repository goes (default: /testbed)
 #   PRE_INSTALL   shell commands run in the checkout before installing (optional)
+#   EVAL_SETUP    shell commands SWE-bench runs before each test run that set up the system, not the
+#                 checkout (django 3.x's locale-gen): run once here (optional)
 #   INSTALL       install command run in the checkout (optional); .git/image-builder-installed records
 #                 the commit it installed, for the instances
 set -eu
@@ -40,6 +42,7 @@ if [ -n "${BASE_COMMIT:-}" ]; then
     git -c advice.detachedHead=false checkout -q --detach "$BASE_COMMIT"
 fi
 if [ -n "${PRE_INSTALL:-}" ]; then sh -ec "$PRE_INSTALL"; fi
+if [ -n "${EVAL_SETUP:-}" ]; then sh -ec "$EVAL_SETUP"; fi
 if [ -n "${INSTALL:-}" ]; then
     # With the environment's packages held as they are: an install at this merge-base that would change them
     # (an older commit asking for an older astroid than the spec's requirements pin) is left to each

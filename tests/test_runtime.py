@@ -464,9 +464,10 @@ def test_a_rebuilt_environment_drops_its_old_unpacked_tree_once_unused(case, ext
         return {p.name for p in unpack.iterdir()}
 
     rebuild()
-    busy = start(["sleep", "3.25"])
+    # Long enough to outlast the next start on a loaded machine (3 s did not, beside a build).
+    busy = start(["sleep", "15.25"])
     try:
-        assert eventually(lambda: processes_with("sleep 3.25"), 60), busy.stderr.read1()
+        assert eventually(lambda: processes_with("sleep 15.25"), 60), busy.stderr.read1()
         first = trees()
         rebuild()
         finish(start(["true"]))

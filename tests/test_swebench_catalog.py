@@ -37,7 +37,7 @@ def test_catalog_from_the_specs_layers_history_and_builds_each_instance_once(tmp
     cat = load(tmp_path / "swe.yaml")
     envs = cat.environments
     slug = "marshmallow-code__marshmallow"
-    assert list(envs) == ["python-3.9", f"{slug}-py3.9-history", f"{slug}-2.20-deps", f"{slug}-2.20",
+    assert list(envs) == ["python-3.9", "python-3.9-cc", f"{slug}-py3.9-history", f"{slug}-2.20-deps", f"{slug}-2.20",
                           f"{slug}-3.0-deps", f"{slug}-3.0"]
     assert envs["python-3.9"].base == "registry.example/python:3.9" and envs["python-3.9"].env["PIP_VERSION"]
     assert envs[f"{slug}-3.0"].parent == f"{slug}-3.0-deps" and envs[f"{slug}-3.0-deps"].parent.endswith("history")
@@ -53,7 +53,11 @@ def test_catalog_from_the_specs_layers_history_and_builds_each_instance_once(tmp
     assert envs["python-3.9"].env["VENV"] == "" and "/opt/venv" not in envs["python-3.9"].env["PATH"]
     assert envs[f"{slug}-3.0-deps"].env["PIP_UPLOADED_PRIOR_TO"] == "2024-07-04T00:00:00Z"
     assert envs["python-3.9"].env["PIP_VERSION"] == "pip==26.0.1", "the pip of Python 3.9 that takes a cut-off"
-    assert "python-3.9-cc" not in envs, "marshmallow has no C sources: no compiler layer"
+    # A compiler under every environment, as SWE-bench's base image has build-essential (a package without a
+    # wheel builds: django's pywatchman), C sources in the repository or not.
+    assert envs["python-3.9-cc"].parent == "python-3.9"
+    assert [s.name for s in envs["python-3.9-cc"].scripts] == ["build-tools.sh"]
+    assert envs[f"{slug}-py3.9-history"].parent == "python-3.9-cc"
 
 
 def _marshmallow_with(tmp: Path, files: dict[str, str], *extra: str, row: dict | None = None) -> dict:
@@ -171,13 +175,8 @@ def test_conda_match_specs_as_pip_requirements():
             read_environment_yml(bad, "e.yml")
 
 
-def test_a_repository_with_c_sources_gets_a_compiler_layer(tmp_path):
-    """Decided from the repository, not a flag: C sources outside tests put its layers on python-X-cc."""
-    envs = _marshmallow_with(tmp_path, {"src/speedups.c": "int f(void) { return 0; }\n"}, "--cutoff", "none")
-    assert envs["python-3.9-cc"].parent == "python-3.9"
-    assert [s.name for s in envs["python-3.9-cc"].scripts] == ["build-tools.sh"]
-    history = next(e for e in envs.values() if e.name.endswith("history"))
-    assert history.parent == "python-3.9-cc"
+def test_cutoff_none_resolves_as_of_the_build(tmp_path):
+    envs = _marshmallow_with(tmp_path, {"NOTES.txt": "a commit of its own\n"}, "--cutoff", "none")
     assert not any("PIP_UPLOADED_PRIOR_TO" in e.env for e in envs.values()), "--cutoff none"
     assert not any("PIP_FOR_INSTALL" in e.env for e in envs.values()), "no old setuptools pinned"
 
@@ -318,8 +317,8 @@ def test_build_only_takes_globs_and_commas(tmp_path):
     assert expand_only(cat, (f"{slug}-1343, {slug}-1359",)) == frozenset(both)
     envs, instances = select(cat, expand_only(cat, (f"*-1359,{slug}-2.20-deps",)), None)
     assert [i.id for i in instances] == [f"{slug}-1359"]
-    assert [e.name for e in envs] == ["python-3.9", f"{slug}-py3.9-history", f"{slug}-2.20-deps", f"{slug}-3.0-deps",
-                                      f"{slug}-3.0"]
+    assert [e.name for e in envs] == ["python-3.9", "python-3.9-cc", f"{slug}-py3.9-history", f"{slug}-2.20-deps",
+                                      f"{slug}-3.0-deps", f"{slug}-3.0"]
     r = run_cli("build", str(tmp_path / "swe.yaml"), "--store", str(tmp_path / "store"), "--only", f"{slug}-1343,nope-*")
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1] == (f"Error: --only 'nope-*': no environment or instance in "
@@ -413,3 +412,26 @@ def test_prefixed_catalogs_name_apart_and_declare_equal_python_layers(tmp_path):
     r = generate(tmp_path, MARSHMALLOW, "--prefix", "../x")
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "--prefix '../x': letters, digits and . _ + - only" in r.stderr and not (tmp_path / "swe.yaml").exists()
+
+
+def test_eval_commands_are_carried_out_exports_as_the_environment_and_locale_gen_at_build(tmp_path):
+    """django 3.x's eval_commands (SWE-bench runs them before each test run): `export LANG=en_US.UTF-8` and
+    its kin become the version environment's variables, which the tests and `run` see; the `sed ... &&
+    locale-gen` line runs once at build, after Debian's locales package (SWE-bench's base image has it)."""
+    envs = _marshmallow_with(tmp_path, {"tests/requirements/py3.txt": "sqlparse\n"},
+                             "--python", "3.6=registry.example/python:3.6",
+                             row={"repo": "django/django", "version": "3.0", "instance_id": "django__django-1"})
+    version = envs["django__django-3.0"]
+    assert [s.name for s in version.scripts] == ["apt-packages.sh", "swebench-repo.sh"]
+    assert version.env["APT_PACKAGES"] == "locales"
+    assert version.env["EVAL_SETUP"] == "sed -i '/en_US.UTF-8/s/^# //g' /etc/locale.gen && locale-gen"
+    assert {k: version.env[k] for k in ("LANG", "LANGUAGE", "LC_ALL")} == \
+        {"LANG": "en_US.UTF-8", "LANGUAGE": "en_US:en", "LC_ALL": "en_US.UTF-8"}
+    assert "eval_commands (" not in (tmp_path / "c.stderr").read_text(), "nothing of them left out"
+
+
+def test_eval_commands_split_into_exports_and_commands():
+    from image_builder.build.swebench_catalog import _eval_commands
+    assert _eval_commands(["export A=1", "export B='x y'", "export C=$HOME", "export D=1 E=2", "locale-gen",
+                           "export 9=x"]) == \
+        ((("A", "1"), ("B", "x y")), ("export C=$HOME", "export D=1 E=2", "locale-gen", "export 9=x"))

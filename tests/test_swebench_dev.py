@@ -58,7 +58,7 @@ def test_dev_instances_build_thin_and_gold_resolves(tmp_path, registries, debian
     assert len({e.sif for e in index.environments.values()}) == 1, "one Python base under every environment"
     for inst in index.instances.values():
         resolved = store.resolve(inst.id)
-        assert len(resolved.layers) == 5, "python (the sif), then history, deps, version and instance overlays"
+        assert len(resolved.layers) == 6, "python (the sif), then compiler, history, deps, version, instance overlays"
         files = overlay_files(resolved.overlays[-1])
         objects = {path: size for path, size in files.items() if path.startswith("testbed/.git/objects/")}
         below = {path: size for layer in resolved.overlays[:-1] for path, size in overlay_files(layer).items()

@@ -8,7 +8,7 @@ pip_packages, pre_install, install and a test command. The catalog stacks them
 as layers, each stored once however many environments share it:
 
     python-3.9                     base image + git + pip, into the interpreter itself (no venv)
-      python-3.9-cc                a compiler and Python's headers (repositories with C/Cython sources)
+      python-3.9-cc                a compiler and Python's headers, as SWE-bench's base image has them
       <repo>-<version>-deps        the spec's packages (and its environment.yml's), resolved as of its
                                    cut-off day (equal specs: one image)
         <repo>-<version>           the repository's history up to the merge-base
@@ -68,6 +68,7 @@ from image_builder.build.environment_yml import EnvironmentYml, EnvironmentYmlEr
     read_environment_yml
 from image_builder.build.upload_dates import DEFAULT_INDEX, UploadDateError, UploadDates, day_after, iso, \
     parse_time, pins
+from image_builder.build.catalog import ENV_NAME
 from image_builder.errors import ImageBuilderError
 from image_builder.store.files import atomic_write
 from image_builder.store.ids import file_name, id_problem
@@ -84,10 +85,6 @@ PIP_FOR_OLD_OPTIONS = "pip==25.2"
 OLD_SETUPTOOLS = re.compile(r"[\"']setuptools\s*(?:~=|==|<=|<)\s*(\d+)")
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 CONDA_PREFIX = "/opt/conda/envs/testbed"  # a conda spec's environment (SWE-bench's: /opt/miniconda3/envs/testbed)
-# Sources that need a compiler when the repository installs, outside tests and docs (sphinx's test root
-# holds a .pyx it never builds).
-COMPILED = re.compile(r"\.(c|cc|cpp|cxx|pyx|f|f90)$")
-NOT_BUILT = re.compile(r"(^|/)(tests?|testing|docs?|examples?)/")
 WORKDIR = "/testbed"
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
 REPO = re.compile(r"^[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+$")
@@ -112,6 +109,11 @@ class Spec:
     test_cmd: str
     not_run: tuple[str, ...] = ()  # parts of the spec this builder does not carry out (said per instance)
     environment_yml: tuple[str, ...] = ()  # conda environment files to read at environment_setup_commit
+    # eval_commands, which SWE-bench runs before each test run: its `export NAME=VALUE` lines become the
+    # version environment's variables (so `run` and apptainer see them too), the rest (django 3.x's
+    # locale-gen) is system set-up, run once when that environment is built.
+    eval_env: tuple[tuple[str, str], ...] = ()
+    eval_setup: tuple[str, ...] = ()
 
     @property
     def version(self) -> tuple[int, ...]:
@@ -230,9 +232,28 @@ def spec_of(constants: types.ModuleType, repo: str, version: str) -> Spec | str:
     if isinstance(test_cmd, list):
         test_cmd = " && ".join(test_cmd)
     # no_use_env only chooses between two conda commands that make the same environment.
-    not_run = [f"{key} ({raw[key]!r})" for key in ("eval_commands", "execute_test_as_nonroot") if raw.get(key)]
+    not_run = [f"{key} ({raw[key]!r})" for key in ("execute_test_as_nonroot",) if raw.get(key)]
+    eval_env, eval_setup = _eval_commands(raw.get("eval_commands") or ())
     return Spec(str(raw["python"]), requirements, (*listed, *raw.get("pip_packages", ())),
-                tuple(raw.get("pre_install", ())), raw.get("install", ""), test_cmd, tuple(not_run), environment_yml)
+                tuple(raw.get("pre_install", ())), raw.get("install", ""), test_cmd, tuple(not_run), environment_yml,
+                eval_env, eval_setup)
+
+
+def _eval_commands(commands) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
+    """(exports, the other commands) of a spec's eval_commands: `export NAME=VALUE` with a plain value is an
+    export; anything else (an expansion, several words) stays a command."""
+    exports, rest = [], []
+    for command in commands:
+        try:
+            words = shlex.split(command)
+        except ValueError:
+            words = []
+        name, eq, value = words[1].partition("=") if len(words) == 2 and words[0] == "export" else ("", "", "")
+        if eq and ENV_NAME.match(name) and not any(c in command for c in "$`"):
+            exports.append((name, value))
+        else:
+            rest.append(command)
+    return tuple(exports), tuple(rest)
 
 
 class Repository:
@@ -255,11 +276,6 @@ class Repository:
     def has_commit(self, commit: str) -> bool:
         return subprocess.run(["git", "--git-dir", str(self.git_dir), "cat-file", "-e", f"{commit}^{{commit}}"],
                               capture_output=True).returncode == 0
-
-    def compiles(self, commit: str) -> bool:
-        """Whether `commit` has sources a compiler builds (C, C++, Cython, Fortran) outside tests and docs."""
-        names = self._git("ls-tree", "-r", "--name-only", "-z", commit).split("\0")
-        return any(COMPILED.search(n) and not NOT_BUILT.search(n) for n in names)
 
     def merge_base(self, commits: list[str]) -> str:
         return commits[0] if len(set(commits)) == 1 else self._git("merge-base", "--octopus", *commits).strip()
@@ -400,12 +416,6 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
             else:
                 usable.append(found)
 
-        # Whether each repository builds extensions on a Python: then its layers sit on a compiler layer.
-        compiles: dict[tuple[str, str], bool] = {}
-        for u in usable:
-            compiles[u.repo, u.spec.python] = compiles.get((u.repo, u.spec.python), False) or \
-                u.mirror.compiles(_setup_commit(u.members))
-
         python_envs: set[str] = set()
         histories: dict[tuple[str, str], str | None] = {}  # (repo, python) -> its history's merge-base, or None
         for done, u in enumerate(usable, 1):
@@ -420,12 +430,13 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
                                      "env": {"APT_PACKAGES": opts.apt, "VENV": "", "PATH": PATH,
                                              "PIP_BREAK_SYSTEM_PACKAGES": "1",  # PEP 668: the image is the env
                                              "PIP_VERSION": pip}})
-            below = python_env
-            if compiles[repo, spec.python]:
-                below = f"{python_env}-cc"
-                if below not in python_envs:
-                    python_envs.add(below)
-                    environments.append({"name": below, "from": python_env, "scripts": ["build-tools.sh"]})
+            # Every environment sits on a compiler layer, as every SWE-bench image has build-essential: not only
+            # repositories with C sources (astropy) build, their packages may have no wheel (django 4.1's
+            # tests/requirements/py3.txt names pywatchman, an sdist with a C extension).
+            below = f"{python_env}-cc"
+            if below not in python_envs:
+                python_envs.add(below)
+                environments.append({"name": below, "from": python_env, "scripts": ["build-tools.sh"]})
             added: list[dict] = []
             try:
                 # The repository's history shared by all its versions on this Python: up to the merge-base of
@@ -484,10 +495,19 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
                               "scripts": ["conda-env.sh" if conda else "python-venv.sh"],
                               "env": deps_env, "context": _relative(deps_dir, opts.out.parent)})
                 merge_base = mirror.merge_base([t.base_commit for t, _ in members])
-                added.append(_repo_env(env_name, f"{env_name}-deps", context / "envs" / env_name, opts.out, mirror,
-                                       merge_base, histories[repo, spec.python],
-                                       {"BASE_COMMIT": merge_base, "PRE_INSTALL": "\n".join(spec.pre_install),
-                                        "INSTALL": spec.install}))
+                version_env = _repo_env(env_name, f"{env_name}-deps", context / "envs" / env_name, opts.out,
+                                        mirror, merge_base, histories[repo, spec.python],
+                                        {"BASE_COMMIT": merge_base, "PRE_INSTALL": "\n".join(spec.pre_install),
+                                         "INSTALL": spec.install})
+                if spec.eval_setup:
+                    version_env["env"]["EVAL_SETUP"] = "\n".join(spec.eval_setup)
+                    if "locale-gen" in version_env["env"]["EVAL_SETUP"]:  # SWE-bench's base image has locales
+                        version_env["scripts"].insert(0, "apt-packages.sh")
+                        version_env["env"]["APT_PACKAGES"] = "locales"
+                # An environment's variables are its image's: the tests, `run` and apptainer see them (its own
+                # build too, where the locale is generated before anything reads it).
+                version_env["env"].update(spec.eval_env)
+                added.append(version_env)
             except SpecError as e:
                 result.skipped.extend(f"{t.original_id}: {e}" for t, _ in members)
                 continue
