@@ -12,6 +12,8 @@
 #                 checkout (django 3.x's locale-gen): run once here (optional)
 #   INSTALL       install command run in the checkout (optional); .git/image-builder-installed records
 #                 the commit it installed, for the instances
+#   INSTALL_AS_INSTANCES  1: every instance has this commit's install files, so an install that changes the
+#                 environment's packages is done here rather than left to each instance (optional)
 set -eu
 # Editable installs put the checkout on sys.path (a .pth path entry), as the older setuptools of SWE-bench's
 # conda environments do: pylint's tests find its modules by path, and an editable finder hook broke 8 of
@@ -47,8 +49,14 @@ if [ -n "${INSTALL:-}" ]; then
     # With the environment's packages held as they are: an install at this merge-base that would change them
     # (an older commit asking for an older astroid than the spec's requirements pin) is left to each
     # instance, at its own commit over the untouched environment, as SWE-bench installs.
+    # With INSTALL_AS_INSTANCES=1 every instance has this commit's install files (the catalog checked), so
+    # an install that changes the packages is what each of them would do: done here, once.
     python -m pip freeze --exclude-editable > /tmp/held.txt
     if PIP_CONSTRAINT=/tmp/held.txt sh -ec "$INSTALL"; then
+        git rev-parse HEAD > .git/image-builder-installed
+    elif [ "${INSTALL_AS_INSTANCES:-}" = 1 ]; then
+        echo "image-builder: installing at $BASE_COMMIT changes the environment's packages, as it would in each instance (they have the same install files): installing here" >&2
+        sh -ec "$INSTALL"
         git rev-parse HEAD > .git/image-builder-installed
     else
         echo "image-builder: installing at $BASE_COMMIT would change the environment's packages; each instance installs at its own commit" >&2

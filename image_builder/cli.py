@@ -1082,9 +1082,13 @@ def swebench_group():
               help="A conda channel (a conda-forge mirror, http(s)://) to solve environment.yml specs against with "
               "conda's solver (py-rattler, fetched from PyPI at build); repeat in priority order. Without one their "
               "packages come from PyPI by name.")
+@click.option("--specs", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None, metavar="FILE",
+              help="Specs (YAML or JSON, swebench's keys) for repositories or versions the swebench package has "
+              "none for (SWE-Gym's, one's own), laid over its own: OWNER/NAME: {versions: {\"X.Y\": {python, "
+              "install, test_cmd, ...}}, log_parser, requirements_paths}.")
 @_one_line_errors
 def swebench_catalog(dataset, repos, output, pythons, python_default, apt, pip_version, cutoff, index_url,
-                     exclude_tags, prefix, conda_channels):
+                     exclude_tags, prefix, conda_channels, specs):
     """Write a catalog building DATASET from the swebench package's specs: one environment per repository and
     version, layered over one per Python, and one thin instance per task."""
     from image_builder.build.swebench_catalog import CatalogOptions, generate
@@ -1106,7 +1110,7 @@ def swebench_catalog(dataset, repos, output, pythons, python_default, apt, pip_v
             raise click.BadParameter(f"{channel!r}: expected a channel's http(s):// URL (serve a local one over "
                                      "HTTP: the build sandbox sees no host path)", param_hint="--conda-channel")
     result = generate(CatalogOptions(dataset, repos, output, mapping, python_default, apt, pip_version, cutoff,
-                                     index_url, tuple(exclude_tags), prefix, tuple(conda_channels)),
+                                     index_url, tuple(exclude_tags), prefix, tuple(conda_channels), specs),
                       progress=lambda line: click.echo(line, err=True))
     for line in result.skipped:
         click.echo(f"left out: {line}", err=True)

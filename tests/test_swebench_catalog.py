@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from tests.conftest import run_cli
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "index/data"
 MARSHMALLOW = DATA / "swebench_marshmallow.jsonl"
+MACHINE = os.uname().machine
 
 
 def generate(tmp: Path, dataset: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -340,7 +342,14 @@ def test_auto_cutoff_is_the_day_after_the_newest_pinned_release(tmp_path):
     files = {"tox": [("tox-4.16.0-py3-none-any.whl", "2024-07-03T03:29:14Z"), ("tox-4.16.0.tar.gz", "2024-07-03T04:00:00Z")],
              "mpmath": [("mpmath-1.3.0-py3-none-any.whl", "2023-03-07T16:47:09Z")],
              # A wheel spells the name with "_": more_itertools-10.1.0 is more-itertools 10.1.0.
-             "more-itertools": [("more_itertools-10.1.0-py3-none-any.whl", "2023-08-03T16:36:29Z")]}
+             "more-itertools": [("more_itertools-10.1.0-py3-none-any.whl", "2023-08-03T16:36:29Z")],
+             # Python 3.9 came after 1.19.2: its first wheel for it is 1.19.3's (what SWE-bench's conda had, PyPI
+             # has only as source).
+             "numpy": [("numpy-1.19.2.tar.gz", "2020-09-10T00:00:00Z"),
+                       (f"numpy-1.19.2-cp38-cp38-manylinux2010_{MACHINE}.whl", "2020-09-10T00:00:00Z"),
+                       (f"numpy-1.19.5-cp39-cp39-manylinux2010_{MACHINE}.whl", "2021-01-05T00:00:00Z"),
+                       (f"numpy-1.19.3-cp39-cp39-manylinux2010_{MACHINE}.whl", "2020-10-29T00:00:00Z"),
+                       (f"numpy-1.20.0-cp39-cp39-manylinux2010_{MACHINE}.whl", "2021-01-30T00:00:00Z")]}
     asked = []
 
     class Index(http.server.BaseHTTPRequestHandler):
@@ -364,7 +373,9 @@ def test_auto_cutoff_is_the_day_after_the_newest_pinned_release(tmp_path):
                             "2": {"python": "3.9", "pip_packages": ["more-itertools==10.1.0"]}},
                  "b/mp": {"1": {"python": "3.9", "pip_packages": ["mpmath==1.3.0"]},
                           "2": {"python": "3.9", "packages": "pytest"}},
-                 "c/none": {"1": {"python": "3.9", "packages": "pytest"}}}
+                 "c/none": {"1": {"python": "3.9", "packages": "pytest"}},
+                 "d/np": {"1": {"python": "3.9", "packages": "'numpy==1.19.2' pytest"},
+                          "2": {"python": "3.8", "packages": "numpy==1.19.2"}}}
         constants = SimpleNamespace(MAP_REPO_VERSION_TO_SPECS=table)
         opts = CatalogOptions(tmp_path / "d.jsonl", tmp_path, tmp_path / "c.yaml",
                               index_url=f"http://127.0.0.1:{server.server_port}/simple")
@@ -376,10 +387,19 @@ def test_auto_cutoff_is_the_day_after_the_newest_pinned_release(tmp_path):
         assert of("b/mp", "2") == "2023-03-08T00:00:00Z", "no pins: its repository's newest"
         assert of("c/none", "1") == "2024-07-04T00:00:00Z", "none in its repository: the table's newest"
         assert of("b/mp", "1", [{"created_at": "2025-01-02T10:00:00Z"}]) == "2025-01-03T00:00:00Z"
+        # A pin with no wheel for the spec's Python moves to the nearest release of its series that has one.
+        numpy = spec_of(constants, "d/np", "1")
+        assert cutoffs.with_wheels(numpy, "2021-02-01T00:00:00Z") == (("numpy==1.19.3", "pytest"), [
+            "numpy==1.19.2 has no wheel for Python 3.9 on the index: numpy==1.19.3, the nearest release of its "
+            "series with one"])
+        assert cutoffs.with_wheels(numpy, "2020-10-01T00:00:00Z")[0] == ("numpy==1.19.2", "pytest"), \
+            "none before the cut-off: kept (built from source)"
+        assert cutoffs.with_wheels(spec_of(constants, "d/np", "2"), None)[0] == ("numpy==1.19.2",), "it has one"
         cutoffs.save()
         before = len(asked)
         again = Cutoffs(constants, opts, tmp_path / "dates.json")
         assert again.of("a/pins", "1", spec_of(constants, "a/pins", "1"), []) == "2024-07-04T00:00:00Z"
+        assert again.with_wheels(numpy, None)[0] == ("numpy==1.19.3", "pytest")
         assert len(asked) == before, "answered from the cache"
     finally:
         server.shutdown()
@@ -435,3 +455,78 @@ def test_eval_commands_split_into_exports_and_commands():
     assert _eval_commands(["export A=1", "export B='x y'", "export C=$HOME", "export D=1 E=2", "locale-gen",
                            "export 9=x"]) == \
         ((("A", "1"), ("B", "x y")), ("export C=$HOME", "export D=1 E=2", "locale-gen", "export 9=x"))
+
+
+def test_wheel_tags_that_install_on_a_cpython():
+    from image_builder.build.upload_dates import wheel_fits
+    fits = [t for t in ("py3-none-any", "py2.py3-none-any", "cp39-cp39-manylinux_2_17_x86_64.manylinux2014_x86_64",
+                        "cp36-abi3-manylinux2010_x86_64", "cp39-cp39-linux_x86_64",
+                        "cp38-cp38-manylinux2010_x86_64", "cp310-abi3-manylinux2010_x86_64",
+                        "cp39-cp39-manylinux2014_aarch64", "cp39-cp39-win_amd64", "py2-none-any")
+            if wheel_fits(t, (3, 9), "x86_64")]
+    assert fits == ["py3-none-any", "py2.py3-none-any", "cp39-cp39-manylinux_2_17_x86_64.manylinux2014_x86_64",
+                    "cp36-abi3-manylinux2010_x86_64", "cp39-cp39-linux_x86_64"]
+
+
+def test_a_version_whose_instances_share_its_install_files_installs_once_even_if_packages_change(tmp_path):
+    """Each instance would run the same install over the same environment: the version's layer does it, even
+    where it changes the environment's packages (sphinx's pre_install pins Jinja2<3.0 against the deps
+    layer's 3.0.3: 21 MB per instance when each did it); an instance with other install files keeps its own."""
+    repo = tmp_path / "marshmallow"
+    subprocess.run(["git", "clone", "-q", str(DATA / "repos/marshmallow.bundle"), str(repo)], check=True)
+    row = [json.loads(line) for line in MARSHMALLOW.read_text().splitlines()][1]
+    git(repo, "checkout", "-q", row["base_commit"])
+    heads = []
+    for name, text in (("NOTES.txt", "a\n"), ("src/marshmallow/extra.py", "X = 1\n"), ("setup.cfg", "[x]\n")):
+        (repo / name).write_text(text)
+        git(repo, "add", name)
+        git(repo, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "-m", name)
+        heads.append(git(repo, "rev-parse", "HEAD").strip())
+
+    def version_env(*commits: str):
+        dataset = tmp_path / "d.jsonl"
+        dataset.write_text("".join(json.dumps({**row, "instance_id": f"marshmallow-code__marshmallow-{i}",
+                                               "base_commit": c, "environment_setup_commit": commits[0]}) + "\n"
+                                   for i, c in enumerate(commits)))
+        r = run_cli("swebench", "catalog", str(dataset), "--repos", str(tmp_path), "-o", str(tmp_path / "c.yaml"),
+                    "--python", "3.9=registry.example/python:3.9", "--cutoff", "none")
+        assert r.returncode == 0, r.stderr
+        return load(tmp_path / "c.yaml").environments["marshmallow-code__marshmallow-3.0"].env
+
+    assert version_env(heads[0], heads[1]).get("INSTALL_AS_INSTANCES") == "1", "a module added: same install"
+    assert "INSTALL_AS_INSTANCES" not in version_env(heads[0], heads[2]), "setup.cfg differs: each its own"
+
+
+def test_a_specs_file_builds_a_repository_swebench_has_no_spec_for(tmp_path):
+    """SWE-Gym's repositories are not in swebench's tables: --specs lays a file of specs in swebench's keys over
+    them; its log parser goes to the catalog; a bad file is one line naming the file, repository and key."""
+    specs = tmp_path / "specs.yaml"
+    specs.write_text('acme/widgets:\n  log_parser: parse_log_pytest_v2\n  requirements_paths: [reqs/test.txt]\n'
+                     '  versions:\n    "1.0": {python: "3.9", install: "python -m pip install -e .",\n'
+                     '            packages: requirements.txt, pip_packages: [pytest], test_cmd: "pytest -rA -x",\n'
+                     '            eval_commands: ["export WIDGETS=1"]}\n')
+    envs = _marshmallow_with(tmp_path, {"reqs/test.txt": "six\n"}, "--specs", str(specs), "--cutoff", "none",
+                             row={"repo": "acme/widgets", "version": "1.0", "instance_id": "acme__widgets-1"})
+    version = envs["acme__widgets-1.0"]
+    assert version.env["INSTALL"] == "python -m pip install -e ." and version.env["WIDGETS"] == "1"
+    deps = envs["acme__widgets-1.0-deps"]
+    assert deps.env["PYTHON_PACKAGES"] == "pytest" and (deps.context / "requirements.txt").read_text() == "six\n"
+    inst = load(tmp_path / "c.yaml").instances["acme__widgets-1"]
+    assert inst.test_command == "pytest -rA -x" and inst.grader["log_parser"] == "parse_log_pytest_v2"
+    assert "and specs.yaml." in (tmp_path / "c.yaml").read_text().splitlines()[0]
+
+    dataset = tmp_path / "c.jsonl"
+    for text, message in (
+            ("[1]", "expected a mapping of OWNER/NAME"),
+            ("acme/widgets: {versions: {1.0: {python: '3.9'}}}", "version 1.0: a version is a quoted string"),
+            ("acme/widgets: {versions: {'1.0': {python: '3.9', install: [x]}}}", "install has the wrong type"),
+            ("acme/widgets: {versions: {'1.0': {python: '3.9', setup: x}}}", "unknown key 'setup'"),
+            ("../x: {versions: {'1.0': {python: '3.9'}}}", "not a repository"),
+            ("acme/widgets: {log_parser: 'rm -rf', versions: {'1.0': {python: '3.9'}}}", "log_parser must name")):
+        specs.write_text(text)
+        r = run_cli("swebench", "catalog", str(dataset), "--repos", str(tmp_path), "-o", str(tmp_path / "bad.yaml"),
+                    "--specs", str(specs), "--python", "3.9=registry.example/python:3.9")
+        assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+        last = r.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"Error: {specs}") and message in last, last
+        assert not (tmp_path / "bad.yaml").exists()

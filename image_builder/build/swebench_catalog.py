@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import fnmatch
 import importlib.machinery
+import os
 import importlib.util
 import re
 import shlex
@@ -239,6 +240,72 @@ def spec_of(constants: types.ModuleType, repo: str, version: str) -> Spec | str:
                 eval_env, eval_setup)
 
 
+SPEC_KEYS = {"python": str, "packages": str, "pip_packages": list, "pre_install": list, "install": str,
+             "test_cmd": (str, list), "eval_commands": list, "execute_test_as_nonroot": bool, "no_use_env": bool}
+# Per repository, as swebench's tables hold them: MAP_REPO_TO_REQS_PATHS, MAP_REPO_TO_ENV_YML_PATHS, and
+# the name of one of its parse_log_* functions (MAP_REPO_TO_PARSER_PY).
+REPO_KEYS = {"requirements_paths": "MAP_REPO_TO_REQS_PATHS", "environment_yml_paths": "MAP_REPO_TO_ENV_YML_PATHS"}
+PARSER_NAME = re.compile(r"^parse_log_[a-z0-9_]+$")
+
+
+def read_specs(path: Path, constants: types.ModuleType) -> tuple[types.SimpleNamespace, dict[str, str]]:
+    """swebench's tables with a specs file's laid over them, and the file's log parsers by repository. The
+    file (YAML or JSON) maps OWNER/NAME to its versions' specs, in swebench's own keys, beside optional
+    `requirements_paths`, `environment_yml_paths` and `log_parser`:
+
+        getmoto/moto:
+          log_parser: parse_log_pytest
+          versions:
+            "4.1": {python: "3.11", install: "python -m pip install -e .", test_cmd: "pytest -n0 -rA"}
+    """
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise SpecError(f"{path}: not readable as YAML or JSON ({str(e).splitlines()[0]})") from None
+    if not isinstance(doc, dict) or not doc:
+        raise SpecError(f"{path}: expected a mapping of OWNER/NAME to {{versions: ...}}")
+    tables = {name: dict(getattr(constants, name, {}) or {}) for name in ("MAP_REPO_VERSION_TO_SPECS",
+                                                                         *REPO_KEYS.values())}
+    parsers: dict[str, str] = {}
+    for repo, entry in doc.items():
+        where = f"{path}: {repo!r}"
+        if not isinstance(repo, str) or not REPO.match(repo) or any(p in (".", "..") for p in repo.split("/")):
+            raise SpecError(f"{where}: not a repository (OWNER/NAME)")
+        if not isinstance(entry, dict) or not isinstance(entry.get("versions"), dict) or not entry["versions"]:
+            raise SpecError(f"{where}: give `versions`, a mapping of version to spec")
+        unknown = sorted(set(entry) - {"versions", "log_parser", *REPO_KEYS})
+        if unknown:
+            raise SpecError(f"{where}: unknown key {unknown[0]!r} (versions, log_parser, {', '.join(REPO_KEYS)})")
+        for key, table in REPO_KEYS.items():
+            if key in entry:
+                paths = entry[key]
+                if not isinstance(paths, list) or not paths or not all(isinstance(p, str) and p for p in paths):
+                    raise SpecError(f"{where}: {key} must be a list of paths in the repository")
+                tables[table][repo] = paths
+        if "log_parser" in entry:
+            if not isinstance(entry["log_parser"], str) or not PARSER_NAME.match(entry["log_parser"]):
+                raise SpecError(f"{where}: log_parser must name one of SWE-bench's parsers (parse_log_pytest, ...)")
+            parsers[repo] = entry["log_parser"]
+        versions = dict(tables["MAP_REPO_VERSION_TO_SPECS"].get(repo, {}))
+        for version, spec in entry["versions"].items():
+            at = f"{where} version {version!r}"
+            if not isinstance(version, str) or not VERSION.match(version):
+                raise SpecError(f"{at}: a version is a quoted string of letters, digits and . _ + - (\"4.1\", "
+                                "not 4.1)")
+            if not isinstance(spec, dict) or not isinstance(spec.get("python"), str):
+                raise SpecError(f"{at}: a spec is a mapping with at least python: \"X.Y\"")
+            for key, value in spec.items():
+                if key not in SPEC_KEYS:
+                    raise SpecError(f"{at}: unknown key {key!r} (swebench's spec keys: {', '.join(SPEC_KEYS)})")
+                if not isinstance(value, SPEC_KEYS[key]) or (isinstance(value, list) and
+                                                             not all(isinstance(x, str) for x in value)):
+                    raise SpecError(f"{at}: {key} has the wrong type (swebench's: {key} is "
+                                    f"{'a list of strings' if SPEC_KEYS[key] is list else 'a string'})")
+            versions[version] = spec
+        tables["MAP_REPO_VERSION_TO_SPECS"][repo] = versions
+    return types.SimpleNamespace(**tables), parsers
+
+
 def _eval_commands(commands) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
     """(exports, the other commands) of a spec's eval_commands: `export NAME=VALUE` with a plain value is an
     export; anything else (an expansion, several words) stays a command."""
@@ -275,6 +342,11 @@ class Repository:
 
     def has_commit(self, commit: str) -> bool:
         return subprocess.run(["git", "--git-dir", str(self.git_dir), "cat-file", "-e", f"{commit}^{{commit}}"],
+                              capture_output=True).returncode == 0
+
+    def same_files(self, a: str, b: str, pathspecs: list[str]) -> bool:
+        """Whether commits `a` and `b` agree on every file the pathspecs (git's globs) match."""
+        return subprocess.run(["git", "--git-dir", str(self.git_dir), "diff", "--quiet", a, b, "--", *pathspecs],
                               capture_output=True).returncode == 0
 
     def merge_base(self, commits: list[str]) -> str:
@@ -361,6 +433,9 @@ class CatalogOptions:
     # Conda channels (URLs of a conda-forge mirror) environment.yml specs are solved against; none: their
     # packages come from PyPI by name.
     conda_channels: tuple[str, ...] = ()
+    # Specs for repositories (or versions) the swebench package has none for, or over its own: SWE-Gym's
+    # repositories, a dataset of one's own (read_specs).
+    specs: Path | None = None
 
 
 def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line: None) -> Generated:
@@ -372,6 +447,9 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
     named = f"{opts.prefix}-" if opts.prefix else ""
     constants = load_swebench()
     parsers = log_parsers()
+    if opts.specs:
+        constants, named_parsers = read_specs(opts.specs, constants)
+        parsers |= named_parsers
     rows = {rid: record for rid, record in read_records(opts.dataset)}
     result = Generated(opts.out)
     # One instance per original task: ImpossibleBench variants share their original's.
@@ -470,8 +548,10 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
                 elif left:
                     result.notes += [f"{t.original_id}: not carried out: parts of {u.environment_yml_path}{left}"
                                      for t, _ in members]
-                deps_env = {"PYTHON_PACKAGES": " ".join(spec.packages)}
                 cutoff = cutoffs.of(repo, version, spec, [r for _, r in members])
+                packages, moved = cutoffs.with_wheels(spec, cutoff) if not conda else (spec.packages, [])
+                result.notes += [f"{t.original_id}: {line}" for line in moved for t, _ in members]
+                deps_env = {"PYTHON_PACKAGES": " ".join(packages)}
                 if conda:
                     # SWE-bench's conda environment, solved by conda's own solver (py-rattler) against the site's
                     # channels, as of the cut-off too; its interpreter first on PATH for the layers above.
@@ -499,6 +579,11 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
                                         mirror, merge_base, histories[repo, spec.python],
                                         {"BASE_COMMIT": merge_base, "PRE_INSTALL": "\n".join(spec.pre_install),
                                          "INSTALL": spec.install})
+                if all(mirror.same_files(merge_base, t.base_commit, REINSTALL_WHEN.split()) for t, _ in members):
+                    # Each instance would install from these same files over the same environment: where the
+                    # install changes the environment's packages (sphinx's pre_install pins Jinja2<3.0 against
+                    # the deps layer's 3.0.3), it is done once here instead of in every instance (21 MB each).
+                    version_env["env"]["INSTALL_AS_INSTANCES"] = "1"
                 if spec.eval_setup:
                     version_env["env"]["EVAL_SETUP"] = "\n".join(spec.eval_setup)
                     if "locale-gen" in version_env["env"]["EVAL_SETUP"]:  # SWE-bench's base image has locales
@@ -541,7 +626,7 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
                               **({"grader": {"log_parser": parsers[repo]}} if repo in parsers else {})}
                              for (repo, test_cmd, install, pre_install), ids in sorted(sets.items())]}
     header = (f"# Generated by image-builder swebench catalog from {opts.dataset.name} and the specs of swebench "
-              f"{_swebench_version()}.\n# {result.environments} repository environments, {result.instances} "
+              f"{_swebench_version()}{f' and {opts.specs.name}' if opts.specs else ''}.\n# {result.environments} repository environments, {result.instances} "
               f"instances; left out: {len(result.skipped)}.\n"
               f"# Cut-offs (PIP_UPLOADED_PRIOR_TO): {cutoffs.origin}.\n")
     if not result.instances:
@@ -591,6 +676,29 @@ class Cutoffs:
         made = [parse_time(str(r["created_at"])) for r in records if _is_time(r.get("created_at"))]
         dates = [d for d in (newest, *made) if d]
         return iso(day_after(max(dates))) if dates else None
+
+    def with_wheels(self, spec: Spec, cutoff: str | None) -> tuple[tuple[str, ...], list[str]]:
+        """The spec's packages, each pin that PyPI has only as source for the spec's Python moved to the nearest
+        release of its series that has a wheel, and a line per move. SWE-bench installs these lists with
+        conda, whose channels have binaries of releases PyPI has only as source (sklearn 1.3 pins numpy 1.19.2,
+        whose sdist its Cython 3 cannot build; numpy 1.19.5 has a wheel for Python 3.9). Only with the index
+        asked (--cutoff auto)."""
+        if self.opts.cutoff != "auto":
+            return spec.packages, []
+        packages, moved = [], []
+        for requirement in spec.packages:
+            for name, version in pins([requirement]):
+                try:
+                    chosen = self.dates.release_with_wheel(name, version, spec.version[:2], os.uname().machine,
+                                                           parse_time(cutoff) if cutoff else None)
+                except UploadDateError as e:
+                    raise SpecError(str(e)) from None
+                if chosen != version:
+                    requirement = re.sub(rf"==\s*{re.escape(version)}", f"=={chosen}", requirement, count=1)
+                    moved.append(f"{name}=={version} has no wheel for Python {spec.python} on the index: "
+                                 f"{name}=={chosen}, the nearest release of its series with one")
+            packages.append(requirement)
+        return tuple(packages), moved
 
     def _newest_pin(self, repo: str | None) -> datetime | None:
         if repo not in self._pins:
@@ -677,7 +785,6 @@ def _repo_env(name: str, parent: str, context: Path, catalog: Path, mirror: Repo
 
 
 def _relative(path: Path, start: Path) -> str:
-    import os
     return os.path.relpath(path.resolve(), start.resolve())
 
 

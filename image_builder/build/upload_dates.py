@@ -26,8 +26,29 @@ PIN = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[[^\]]*\])?\s*==\s*([A
 ACCEPT = "application/vnd.pypi.simple.v1+json"
 
 
+WHEEL = re.compile(r"-(?P<py>[^-]+)-(?P<abi>[^-]+)-(?P<platform>[^-]+)\.whl$")
+RELEASE = re.compile(r"^\d+(\.\d+)*$")  # a final release; pre-releases and local versions are never chosen
+
+
 class UploadDateError(ImageBuilderError):
     pass
+
+
+def wheel_fits(tags: str, python: tuple[int, int], machine: str) -> bool:
+    """Whether a wheel of tags `PY-ABI-PLATFORM` (its file name's end) installs on CPython `python` under Linux
+    on `machine` (manylinux's glibc floor is not checked: Debian's is newer than most)."""
+    py, _, rest = tags.partition("-")
+    abi, _, platform = rest.partition("-")
+    cp = f"cp{python[0]}{python[1]}"
+    pys, abis = py.split("."), abi.split(".")
+    abi3 = "abi3" in abis and any(t.startswith("cp3") and t[3:].isdigit() and int(t[3:]) <= python[1] for t in pys)
+    return (abi3 or ((cp in pys or "py3" in pys or f"py{python[0]}{python[1]}" in pys)
+                     and any(a in ("none", cp, cp + "m") for a in abis))) and \
+        any(p == "any" or (p.startswith(("manylinux", "linux")) and p.endswith("_" + machine)) for p in platform.split("."))
+
+
+def release_key(version: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in version.split("."))
 
 
 def normalized(name: str) -> str:
@@ -91,19 +112,47 @@ class UploadDates:
         # A file's version is what follows the project's name in it: name-VERSION-... or name-VERSION.tar.gz.
         stem = re.compile(rf"^{'[-_.]'.join(map(re.escape, name.split('-')))}-([^-]+?)(?:-|\.tar|\.zip|\.egg)", re.I)
         first: dict[str, str | None] = {}
+        wheels: dict[str, set[str]] = {}
         for f in files if isinstance(files, list) else []:
             m = stem.match(str(f.get("filename", "")))
             if not m:
                 continue
             when = f.get("upload-time")
             version = m.group(1)
+            tags = WHEEL.search(str(f.get("filename", "")))
+            wheels.setdefault(version, set()).update([tags.group(0)[1:-4]] if tags else [])
             if when and (first.get(version) is None or parse_time(when) < parse_time(first[version])):
                 first[version] = when
             else:
                 first.setdefault(version, None)
         for version, when in first.items():
             self.known[f"{name}=={version}"] = when
+            self.known[f"{name}=={version} wheels"] = " ".join(sorted(wheels.get(version, ())))
         self._dirty = True
+
+    def release_with_wheel(self, name: str, version: str, python: tuple[int, int], machine: str,
+                           before: datetime | None) -> str:
+        """`version`, unless the index has it only as source for CPython `python` on `machine`: then the
+        nearest later release of its series (the same first two numbers: numpy 1.19.2 -> 1.19.5) uploaded
+        before `before` that has a wheel, as conda's channels have binaries of releases PyPI has only as
+        source; `version` where there is none."""
+        name = normalized(name)
+        if f"{name}=={version} wheels" not in self.known:
+            self._ask(name)
+        tags = self.known.get(f"{name}=={version} wheels")
+        if tags is None or any(wheel_fits(t, python, machine) for t in tags.split()) or not RELEASE.match(version):
+            return version
+        series = release_key(version)[:2]
+        later = []
+        for key, when in self.known.items():
+            other = key[len(name) + 2:]
+            if not key.startswith(f"{name}==") or " " in other or not RELEASE.match(other) or not when:
+                continue
+            fits = any(wheel_fits(t, python, machine) for t in (self.known.get(f"{key} wheels") or "").split())
+            if fits and release_key(other)[:2] == series and release_key(other) > release_key(version) \
+                    and (before is None or parse_time(when) < before):
+                later.append(other)
+        return min(later, key=release_key) if later else version
 
     def newest(self, requirements: Iterable[tuple[str, str]]) -> datetime | None:
         dates = [d for d in (self.of(n, v) for n, v in requirements) if d]
