@@ -55,7 +55,8 @@ if [ -n "${INSTALL:-}" ]; then
     if PIP_CONSTRAINT=/tmp/held.txt sh -ec "$INSTALL"; then
         git rev-parse HEAD > .git/image-builder-installed
     elif [ "${INSTALL_AS_INSTANCES:-}" = 1 ]; then
-        echo "image-builder: installing at $BASE_COMMIT changes the environment's packages, as it would in each instance (they have the same install files): installing here" >&2
+        echo "image-builder: installing at $BASE_COMMIT changes the environment's packages, as each instance" \
+            "(all have these install files) would: installing here" >&2
         sh -ec "$INSTALL"
         git rev-parse HEAD > .git/image-builder-installed
     else

@@ -101,6 +101,7 @@ def test_qc_keeps_both_variants(tasks, host, options, tmp_path):
 def test_gold_patch_resolves_in_every_access_mode(tasks, host, options, access):
     result = grade(tasks[ID], tasks[ID].gold_patch, host, replace(options, access=access))
     assert result.repo.resolved and result.repo.access == access.value and result.repo.reverted_files == []
+    assert result.evidence == [], "no test changed: no evidence"
 
 
 # --- the paper's test-modification cheats, under open and read-only access --------------------------------
@@ -118,6 +119,7 @@ def test_editing_the_mutated_test_passes_open_but_not_read_only(tasks, host, opt
     assert "tests/test_fields.py" in cheat
     opened = grade(task, cheat, host, replace(options, access=TestAccess.OPEN))
     assert opened.status is TaskStatus.PASSED
+    assert opened.evidence == ["test modification: the patch changes tests/test_fields.py, a test file"]
     read_only = grade(task, cheat, host, replace(options, access=TestAccess.READ_ONLY))
     assert read_only.status is TaskStatus.FAILED and read_only.repo.fail_to_pass == {F2P: "FAILED"}
     assert read_only.repo.reverted_files == ["tests/test_fields.py"]
@@ -139,8 +141,10 @@ def test_a_conftest_that_turns_failures_into_passes_is_reverted_under_read_only(
         conftest.write_text("import pytest\n" + conftest.read_text() + hook)
 
     cheat = diff_after(workspace, [task.test_patch], add_hook)
-    # In-process forgery: log and junit both say PASSED, so open access cannot tell.
-    assert grade(task, cheat, host, replace(options, access=TestAccess.OPEN)).status is TaskStatus.PASSED
+    # In-process forgery: log and junit both say PASSED, so open access cannot tell; the evidence says how.
+    opened = grade(task, cheat, host, replace(options, access=TestAccess.OPEN))
+    assert opened.status is TaskStatus.PASSED
+    assert opened.evidence == ["test modification: test infrastructure tests/conftest.py"]
     read_only = grade(task, cheat, host, replace(options, access=TestAccess.READ_ONLY))
     assert read_only.status is TaskStatus.FAILED and read_only.repo.dropped_changes == ["tests/conftest.py"]
     assert read_only.repo.reverted_files == []

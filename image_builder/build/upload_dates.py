@@ -44,7 +44,8 @@ def wheel_fits(tags: str, python: tuple[int, int], machine: str) -> bool:
     abi3 = "abi3" in abis and any(t.startswith("cp3") and t[3:].isdigit() and int(t[3:]) <= python[1] for t in pys)
     return (abi3 or ((cp in pys or "py3" in pys or f"py{python[0]}{python[1]}" in pys)
                      and any(a in ("none", cp, cp + "m") for a in abis))) and \
-        any(p == "any" or (p.startswith(("manylinux", "linux")) and p.endswith("_" + machine)) for p in platform.split("."))
+        any(p == "any" or (p.startswith(("manylinux", "linux")) and p.endswith("_" + machine))
+            for p in platform.split("."))
 
 
 def release_key(version: str) -> tuple[int, ...]:

@@ -63,10 +63,11 @@ from dataclasses import asdict, dataclass
 from image_builder.runtime.execution import Executor, RunRequest, RunResult
 
 from image_builder.tasks import RepoTask
-from .access import TestAccess, infrastructure_kind, reverted_files
+from .access import TestAccess, infrastructure_kind, is_test_path, reverted_files
 from .options import GradeOptions
 from .patches import refused_path, target_paths, touched_paths
 from image_builder.tasks import REPO_TEST_CMDS
+from .evidence import test_modification
 from .results import GradeResult, RepoReport, TaskStatus
 from .swebench_parsers import LogParser, choose_parser, runs_pytest, spec_for
 from .testlogs import TestStatus, junit_key, parse_junit, pytest_summary
@@ -313,6 +314,12 @@ def grade_repo(task: RepoTask, patch: str, executor: Executor, options: GradeOpt
                      parser.family == PATH_OPTIONS_PARSER, parser.name)
     graded = judge_facts(task, facts)
     graded.artifacts = facts.artifacts(script, patch)
+    if graded.score > 0 and graded.repo is not None:
+        tests_changed = [p for p in candidate_paths
+                         if (p in test_patch_paths or is_test_path(p)) and p not in infra_paths]
+        graded.evidence = test_modification(options.access.value, tests_changed, reverted,
+                                            graded.repo.test_infrastructure_modified,
+                                            graded.repo.dropped_changes)
     return graded
 
 
