@@ -344,7 +344,7 @@ def isolation(server: Server, port: int) -> str:
 # --- the report -----------------------------------------------------------------------------------
 
 
-def main() -> None:
+def main() -> Report:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else ROUNDS
     programs = (("print(1)", "print(1)\n", check_print),
                 (f"MBPP {MBPP_TASK} (function + 3 asserts)", mbpp_program(), check_asserts))
@@ -401,9 +401,10 @@ def main() -> None:
         *errors_seen,
         "errors: none" if not errors_seen else f"errors in {len(errors_seen)} measurement(s), above",
     ]
-    report.print()
-    print(f"\nwritten: {report.save()}")
+    return report
 
 
 if __name__ == "__main__":
-    main()
+    done = main()
+    done.print()
+    print(f"\nwritten: {done.save()}")

@@ -862,10 +862,15 @@ def sandbox_group():
     held by this user's mount holder until `sandbox stop` or an idle timeout."""
 
 
-def _attach(sandbox_id: str, backend: str | None):
-    from image_builder.agents.sandbox import AgentSandbox
+def _attach(sandbox_id: str, backend: str | None, *, agent: bool = True):
+    """The kept sandbox; `agent=False` for commands that only run or copy (exec, cp): the runtime's Sandbox,
+    without the graders the agent's (diff, score) imports, 100 ms of a fresh process's start."""
     from image_builder.runtime.session import Backend
-    return AgentSandbox.attach(sandbox_id, backend=Backend(backend) if backend else None)
+    if agent:
+        from image_builder.agents.sandbox import AgentSandbox as kind
+    else:
+        from image_builder.runtime.sandbox import Sandbox as kind
+    return kind.attach(sandbox_id, backend=Backend(backend) if backend else None)
 
 
 sandbox_backend_option = click.option("--backend", type=click.Choice(["kernel", "userns"]),
@@ -931,7 +936,7 @@ def sandbox_exec(sandbox_id, command, timeout, env_vars, cwd, max_output, backen
     if command[0] == "--":
         command = command[1:]
     env = dict(v.split("=", 1) for v in env_vars if "=" in v)
-    with _attach(sandbox_id, backend) as box:
+    with _attach(sandbox_id, backend, agent=False) as box:
         request = RunRequest(tuple(command), env=env, timeout=timeout, max_output=max_output,
                              workdir=posixpath.join(box.layers.workdir, cwd) if cwd else None)
         try:
@@ -955,7 +960,7 @@ def sandbox_cp(source, dest, backend):
     if inside.count(True) != 1:
         raise click.UsageError("name the sandbox side as ID:PATH on exactly one side")
     sandbox_id, path = (source if inside[0] else dest).split(":", 1)
-    with _attach(sandbox_id, backend) as box:
+    with _attach(sandbox_id, backend, agent=False) as box:
         try:
             box.download(path, dest) if inside[0] else box.upload(source, path)
         except OSError as e:  # FileNotFoundError and the like, for either side

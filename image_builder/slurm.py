@@ -263,18 +263,7 @@ def write_run(plan: Plan, sbatch: SbatchOptions, environ: dict[str, str]) -> Run
     if len(arrays) != 1:
         raise SlurmError(f"a {plan.kind} plan needs exactly one array stage, not {len(arrays)}")
     directives = sbatch.directives()  # a bad option fails before anything is written
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    for attempt in range(100):
-        run_dir = (plan.home / "slurm" / f"{plan.kind}-{stamp}{f'-{attempt}' if attempt else ''}").resolve()
-        try:
-            run_dir.mkdir(parents=True)
-            break
-        except FileExistsError:
-            continue
-    else:
-        raise SlurmError(f"{plan.home / 'slurm'}: cannot make a new run directory")
-    for sub in ("logs", "status"):
-        (run_dir / sub).mkdir()
+    run_dir = _new_run_dir(plan.home / "slurm", plan.kind, ("logs", "status"))
     for name, text in (("job.sh", _job_script(plan, run_dir, directives, environ)),
                        ("submit.sh", _submit_script(plan, run_dir))):
         (run_dir / name).write_text(text)
@@ -547,21 +536,27 @@ def _serve_script(run_dir: Path, store: Path, nodes: int, serve_args: tuple[str,
     ]) + "\n"
 
 
-def start_servers(store: Path, nodes: int, serve_args: tuple[str, ...], sbatch: SbatchOptions) -> ServeJob:
-    """Write STORE/slurm/serve-<time>/job.sh and submit it; nothing is waited for."""
-    directives = sbatch.directives()
+def _new_run_dir(parent: Path, kind: str, subdirs: tuple[str, ...]) -> Path:
+    """PARENT/KIND-<time>[-N], made new (never an earlier run's), with its SUBDIRS."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for attempt in range(100):
-        run_dir = (store / "slurm" / f"serve-{stamp}{f'-{attempt}' if attempt else ''}").resolve()
+        run_dir = (parent / f"{kind}-{stamp}{f'-{attempt}' if attempt else ''}").resolve()
         try:
             run_dir.mkdir(parents=True)
             break
         except FileExistsError:
             continue
     else:
-        raise SlurmError(f"{store / 'slurm'}: cannot make a new run directory")
-    for sub in ("logs", "urls"):
+        raise SlurmError(f"{parent}: cannot make a new run directory")
+    for sub in subdirs:
         (run_dir / sub).mkdir()
+    return run_dir
+
+
+def start_servers(store: Path, nodes: int, serve_args: tuple[str, ...], sbatch: SbatchOptions) -> ServeJob:
+    """Write STORE/slurm/serve-<time>/job.sh and submit it; nothing is waited for."""
+    directives = sbatch.directives()
+    run_dir = _new_run_dir(store / "slurm", "serve", ("logs", "urls"))
     script = run_dir / "job.sh"
     script.write_text(_serve_script(run_dir, store.resolve(), nodes, serve_args, directives))
     script.chmod(0o755)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pty
@@ -298,16 +299,21 @@ def venv_catalog(tmp: Path, base: str, backend_name: str) -> Path:
 def test_venv_with_a_wheel_from_the_build_context(tmp_path, debian_base, registries):
     cat = venv_catalog(tmp_path, debian_base, "root")
     result = build_env(load(cat).environments["venv-root"], options(tmp_path, registries.tls.cert))
-    image = read_sif(result.sif)
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "squashfs", "-o", f"loop,ro,offset={image.primary_partition().offset}",
-                    str(result.sif), str(mnt)], check=True)
-    try:
+    with mounted_sif(result.sif, tmp_path / "mnt") as mnt:
         out = subprocess.run(["chroot", str(mnt), "/opt/venv/bin/python", "-c", "import hello; print(hello.VALUE)"],
                              capture_output=True, text=True)
         assert out.stdout == "42\n", out.stderr
         assert not (mnt / "build").exists(), "the /build mount point must not stay in the image"
+
+
+@contextlib.contextmanager
+def mounted_sif(sif: Path, mnt: Path):
+    """The image's root partition mounted (read-only) at MNT for the block."""
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "squashfs", "-o", f"loop,ro,offset={read_sif(sif).primary_partition().offset}",
+                    str(sif), str(mnt)], check=True)
+    try:
+        yield mnt
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
 
@@ -369,19 +375,12 @@ def test_a_conda_environment_from_the_site_s_channel(tmp_path, debian_base, regi
         result = build_env(load(cat).environments["conda"], options(tmp_path, registries.tls.cert))
     log = next((tmp_path / "store").rglob("*conda-env.sh.log")).read_text()
     assert "image-builder: solved 2 conda packages: hello=1.0=py_0 python=3.11.2=0" in log, "2.0 is past the cut-off"
-    image = read_sif(result.sif)
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "squashfs", "-o", f"loop,ro,offset={image.primary_partition().offset}",
-                    str(result.sif), str(mnt)], check=True)
-    try:
+    with mounted_sif(result.sif, tmp_path / "mnt") as mnt:
         out = subprocess.run(["chroot", str(mnt), f"{prefix}/bin/python", "-c",
                               "import hello, sys; print(hello.VALUE, sys.prefix)"], capture_output=True, text=True)
         assert out.stdout == f"1 {prefix}\n", out.stderr
         assert (mnt / prefix.lstrip("/") / "conda-meta/hello-1.0-py_0.json").is_file(), "conda's own record"
         assert not (mnt / "tmp/ib-rattler").exists(), "the solver is not left in the image"
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
 
     (context / "conda-specs.txt").write_text("hello\nnot-in-the-channel\n")
     with conda_channel.served(channel) as url:

@@ -49,8 +49,8 @@ from __future__ import annotations
 
 import fnmatch
 import importlib.machinery
-import os
 import importlib.util
+import os
 import re
 import shlex
 import subprocess
@@ -65,11 +65,11 @@ from typing import Any
 
 import yaml
 
+from image_builder.build.catalog import ENV_NAME
 from image_builder.build.environment_yml import EnvironmentYml, EnvironmentYmlError, pip_requirements, \
     read_environment_yml
 from image_builder.build.upload_dates import DEFAULT_INDEX, UploadDateError, UploadDates, day_after, iso, \
     parse_time, pins
-from image_builder.build.catalog import ENV_NAME
 from image_builder.errors import ImageBuilderError
 from image_builder.store.files import atomic_write
 from image_builder.store.ids import file_name, id_problem
