@@ -29,7 +29,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,7 @@ from pathlib import Path
 import requests
 
 from bench.common import CACHE, ROOT, VENV_BIN, Report, Row, need
+from image_builder.devtools.localregistry import free_port, stop_process
 
 ROUNDS = 3
 CLIENTS_REQUESTS = ((1, 100), (8, 200))  # (concurrent clients, requests per round)
@@ -107,12 +107,7 @@ class Server:
     headers: dict = field(default_factory=dict)
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc, 30)
 
 
 def wait_until(ready, proc: subprocess.Popen, log: Path, what: str, timeout: float = 120) -> None:
@@ -221,12 +216,6 @@ def sf_conda(src: Path) -> Path:
         raise RuntimeError(f"installing SandboxFusion's dependencies failed: {(pip.stderr or pip.stdout)[-3000:]}")
     (server_env / ".bench-installed").write_text(stamp)
     return root
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_sandboxfusion(work: Path) -> Server:

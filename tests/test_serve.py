@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import os
-import socket
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import requests
+
+from image_builder.devtools.localregistry import free_port, stop_process
 
 sandbox_fusion = pytest.importorskip("sandbox_fusion")
 from sandbox_fusion import RunCodeRequest, RunStatus, run_code  # noqa: E402
@@ -33,23 +34,12 @@ class Server:
     log: Path
 
     def stop(self) -> str:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc, 20)
         return self.log.read_text()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start(store: Path, tmp: Path, *args: str) -> Server:
-    port = _free_port()
+    port = free_port()
     log = tmp / f"serve-{port}.log"
     proc = subprocess.Popen([str(EXE), "serve", "--store", str(store), "--port", str(port), *args],
                             stdout=subprocess.DEVNULL, stderr=open(log, "wb"))

@@ -26,7 +26,7 @@ PIN = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[[^\]]*\])?\s*==\s*([A
 ACCEPT = "application/vnd.pypi.simple.v1+json"
 
 
-WHEEL = re.compile(r"-(?P<py>[^-]+)-(?P<abi>[^-]+)-(?P<platform>[^-]+)\.whl$")
+WHEEL = re.compile(r"-([^-]+-[^-]+-[^-]+)\.whl$")  # a wheel file name's PY-ABI-PLATFORM tags
 RELEASE = re.compile(r"^\d+(\.\d+)*$")  # a final release; pre-releases and local versions are never chosen
 
 
@@ -121,7 +121,7 @@ class UploadDates:
             when = f.get("upload-time")
             version = m.group(1)
             tags = WHEEL.search(str(f.get("filename", "")))
-            wheels.setdefault(version, set()).update([tags.group(0)[1:-4]] if tags else [])
+            wheels.setdefault(version, set()).update([tags.group(1)] if tags else [])
             if when and (first.get(version) is None or parse_time(when) < parse_time(first[version])):
                 first[version] = when
             else:

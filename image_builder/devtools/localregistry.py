@@ -53,6 +53,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_process(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout` seconds; reaped either way."""
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 @dataclass
 class LocalRegistry:
     name: str
@@ -70,12 +80,7 @@ class LocalRegistry:
         return f"https://{self.host}"
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        stop_process(self.process, 10)
 
     def __enter__(self) -> LocalRegistry:
         return self
