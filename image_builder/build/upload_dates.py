@@ -134,14 +134,18 @@ class UploadDates:
     def release_with_wheel(self, name: str, version: str, python: tuple[int, int], machine: str,
                            before: datetime | None) -> str:
         """`version`, unless the index has it only as source for CPython `python` on `machine`: then the
-        nearest later release of its series (the same first two numbers: numpy 1.19.2 -> 1.19.5) uploaded
+        nearest later release of its series (the same first two numbers: numpy 1.19.2 -> 1.19.3) uploaded
         before `before` that has a wheel, as conda's channels have binaries of releases PyPI has only as
         source; `version` where there is none."""
         name = normalized(name)
         if f"{name}=={version} wheels" not in self.known:
             self._ask(name)
-        tags = self.known.get(f"{name}=={version} wheels")
-        if tags is None or any(wheel_fits(t, python, machine) for t in tags.split()) or not RELEASE.match(version):
+
+        def has_wheel(release: str) -> bool:
+            tags = self.known.get(f"{name}=={release} wheels") or ""
+            return any(wheel_fits(t, python, machine) for t in tags.split())
+
+        if f"{name}=={version} wheels" not in self.known or has_wheel(version) or not RELEASE.match(version):
             return version
         series = release_key(version)[:2]
         later = []
@@ -149,8 +153,7 @@ class UploadDates:
             other = key[len(name) + 2:]
             if not key.startswith(f"{name}==") or " " in other or not RELEASE.match(other) or not when:
                 continue
-            fits = any(wheel_fits(t, python, machine) for t in (self.known.get(f"{key} wheels") or "").split())
-            if fits and release_key(other)[:2] == series and release_key(other) > release_key(version) \
+            if has_wheel(other) and release_key(other)[:2] == series and release_key(other) > release_key(version) \
                     and (before is None or parse_time(when) < before):
                 later.append(other)
         return min(later, key=release_key) if later else version
