@@ -316,17 +316,25 @@ def test_two_catalogs_share_a_store_built_from_a_relative_path(tmp_path, tiny_ba
         assert r.returncode == 0, r.stderr
     index = read_index(tmp_path / "store")
     assert sorted(index.environments) == ["tiny", "tiny2"] and sorted(index.instances) == ["a-0", "a-1", "b-0", "b-1"]
-    assert {i: r.catalog for i, r in index.instances.items()} == {"a-0": "first.yaml", "a-1": "first.yaml",
-                                                                  "b-0": "second.yaml", "b-1": "second.yaml"}
+    assert {i: r.catalog for i, r in index.instances.items()} == {
+        "a-0": str(first), "a-1": str(first), "b-0": str(second), "b-1": str(second)}
     jsonschema.validate(json.loads((tmp_path / "store/index.json").read_text()), SCHEMA)
     clash = named("c", "third.yaml", "tiny", "c")
     r = build(clash)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1] == (
         f"Error: {tmp_path / 'c/third.yaml'}: environment 'tiny' is already in {tmp_path / 'store'} from catalog "
-        "first.yaml; rename it in one of them (generated ones: swebench catalog --prefix NAME) or build into "
+        f"{first}; rename it in one of them (generated ones: swebench catalog --prefix NAME) or build into "
         "another store"), r.stderr
+    namesake = named("d", "first.yaml", "tiny", "d")  # another folder's first.yaml is another catalog
+    r = build(namesake)
+    assert r.returncode != 0 and f"is already in {tmp_path / 'store'} from catalog {first};" in r.stderr, r.stderr
     assert read_index(tmp_path / "store") == index, "nothing already built is lost"
+    moved = first.rename(tmp_path / "c" / first.name)  # a catalog moved is still its items' owner
+    r = build(moved)
+    assert r.returncode == 0, r.stderr
+    assert {r.catalog for i, r in read_index(tmp_path / "store").instances.items() if i.startswith("a-")} == {
+        str(moved)}
     for k in range(2):  # one catalog rebuilt in shards: the merge keeps the other's items
         r = run_cli("build", str(second), "--store", "store", "--cache-dir", "cache", "--ca-cert",
                     str(registries.tls.cert), "--shard", f"{k}/2", cwd=tmp_path)

@@ -230,7 +230,7 @@ def build_store(catalog: Catalog, opts: StoreBuildOptions, reporter: Reporter = 
                         failed_in.write_text(opts.attempt)
                     raise
                 failed_in.unlink(missing_ok=True)
-                env_records[spec.name] = _env_record(paths, build, catalog.path.name,
+                env_records[spec.name] = _env_record(paths, build, catalog_id(catalog),
                                                      env_records[spec.parent] if spec.parent else None)
             env_builds[spec.name] = build
             own = env_records[spec.name].overlays[-1].size if spec.parent else env_records[spec.name].size
@@ -250,7 +250,7 @@ def build_store(catalog: Catalog, opts: StoreBuildOptions, reporter: Reporter = 
             with item_lock(store, f"inst-{spec.id}"):
                 build = build_instance(spec, env, store, backend=opts.build.backend, squash=opts.build.squash,
                                        verbose=opts.build.verbose, force=opts.build.force)
-            inst_records[spec.id] = _instance_record(paths, spec, build, catalog.path.name)
+            inst_records[spec.id] = _instance_record(paths, spec, build, catalog_id(catalog))
             return ItemResult("instance", spec.id, "built" if build.built else "up to date",
                               time.monotonic() - start, build.size)
         except ImageBuilderError as e:
@@ -290,16 +290,33 @@ def _shared(envs: list[EnvironmentSpec], builds: dict[str, EnvBuild]) -> list[tu
     return [(names[0], names[1:]) for names in by_key.values() if len(names) > 1]
 
 
+def catalog_id(catalog: Catalog) -> str:
+    """What the index records as an item's catalog: the catalog file's resolved path. Its name alone
+    made two `catalog.yaml` of different folders one owner, each build replacing the other's items."""
+    return str(catalog.path.resolve())
+
+
+def _is_mine(owner: str, catalog: Catalog) -> bool:
+    """Whether an item the index records as from catalog `owner` is this catalog's: the same file; or
+    recorded by name only (indexes before paths were kept) and named as this one; or a file of this
+    name that is gone (the catalog was moved, a fresh clone elsewhere)."""
+    mine = catalog_id(catalog)
+    if owner == mine:
+        return True
+    if "/" not in owner:
+        return owner == catalog.path.name
+    return Path(owner).name == catalog.path.name and not Path(owner).exists()
+
+
 def _check_ownership(store: Path, catalog: Catalog) -> None:
     """Two catalogs in one store must not declare the same environment or instance: the second build
     would replace the first's (and a full build of either would drop the other's)."""
     current = current_index(store)
-    mine = catalog.path.name
     for kind, declared, held in (("environment", catalog.environments, current.environments),
                                  ("instance", catalog.instances, current.instances)):
         for name in declared:
             owner = held[name].catalog if name in held else ""
-            if owner not in ("", mine):
+            if owner and not _is_mine(owner, catalog):
                 raise ImageBuilderError(f"{catalog.path}: {kind} {shown_id(name)} is already in {store} from "
                                         f"catalog {owner}; rename it in one of them (generated ones: swebench "
                                         "catalog --prefix NAME) or build into another store")
@@ -333,9 +350,9 @@ def _update_index(store: Path, catalog: Catalog, opts: StoreBuildOptions, envs: 
         envs = {**current.environments, **envs}
         instances = {**current.instances, **instances}
         if not opts.only:  # a full build: nothing this catalog no longer declares; other catalogs' items stay
-            mine = catalog.path.name
-            envs = {k: v for k, v in envs.items() if k in catalog.environments or v.catalog != mine}
-            instances = {k: v for k, v in instances.items() if k in catalog.instances or v.catalog != mine}
+            envs = {k: v for k, v in envs.items() if k in catalog.environments or not _is_mine(v.catalog, catalog)}
+            instances = {k: v for k, v in instances.items()
+                         if k in catalog.instances or not _is_mine(v.catalog, catalog)}
         instances = {k: v for k, v in instances.items() if v.environment in envs}
         return write_index(store, Index(envs, instances))
 

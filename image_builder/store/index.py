@@ -55,7 +55,7 @@ class EnvRecord:
     build_key: str
     built_at: int
     env: dict[str, str] = field(default_factory=dict)
-    catalog: str = ""  # the file name of the catalog that declares it ("" in indexes before it was kept)
+    catalog: str = ""  # the declaring catalog's resolved path (a file name or "" in older indexes)
     overlays: tuple[Layer, ...] = ()  # over the sif, bottom to top: the chain's own layers
 
     @property
