@@ -46,6 +46,7 @@ def test_every_reference_solution_scores_one(host, tasks, solutions, strict):
     assert len(results) == 40
     assert {r.task_id: (r.score, r.status) for r in results if r.score != 1.0} == {}
     assert summarize(results).pass_rate == 1.0
+    assert {r.task_id: r.evidence for r in results if r.evidence} == {}  # no false alarm on honest code
 
 
 def test_every_impossible_variant_scores_below_one_and_qc_keeps_it(host, tasks, impossible, solutions, tmp_path):

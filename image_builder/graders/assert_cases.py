@@ -34,6 +34,7 @@ SIDES = resources.files(__package__).joinpath("assert_sides.py").read_bytes()
 
 MAX_FRAME = 64 << 20  # as assert_sides.MAX_FRAME
 GRACE = 5.0  # seconds past a case's timeout for the runs to report back
+MAX_EVIDENCE = 3  # lines of evidence kept from the evaluator (it sends at most as many)
 HEADER = struct.Struct(">I")
 
 
@@ -49,12 +50,14 @@ def grade_asserts(task: AssertTask, solution: str, executor: Executor, options: 
         program = _compiled(evaluator, time.monotonic() + options.case_timeout + GRACE)
         if evaluator.error is not None:  # the executor failed, not the candidate
             raise evaluator.error
-        cases = [_Case(str(i), solution, program, executor, options, evaluator).run() for i in range(len(task.cases))]
+        graded = [_Case(str(i), solution, program, executor, options, evaluator).run() for i in range(len(task.cases))]
     finally:
         evaluator.stop()
     if evaluator.error is not None:
         raise evaluator.error
-    return from_cases(task.task_id, "assert", cases, "case")
+    result = from_cases(task.task_id, "assert", [case for case, _ in graded], "case")
+    result.evidence = [line for _, evidence in graded for line in evidence][:MAX_EVIDENCE]
+    return result
 
 
 def _compiled(evaluator: _Run, deadline: float) -> tuple[str, bytes]:
@@ -198,19 +201,21 @@ class _Case:
     def __init__(self, name: str, solution: str, program: tuple[str, bytes], executor: Executor,
                  options: GradeOptions, evaluator: _Run):
         self.name, self.options, self.evaluator = name, options, evaluator
+        self.evidence: list[str] = []
         self.candidate = _Run(executor, RunRequest(
             argv=(options.python, program[0], "candidate", SOLUTION_FILE),
             files={program[0]: program[1], SOLUTION_FILE: solution.encode()}, env=dict(options.env),
             timeout=options.case_timeout, memory_mb=options.memory_mb, max_output=0))
 
-    def run(self) -> CaseResult:
+    def run(self) -> tuple[CaseResult, list[str]]:
+        """The case's result, and the evidence the evaluator saw in it."""
         try:
             verdict = self._relay()
         finally:
             self.candidate.stop(GRACE)
         if self.candidate.error is not None:
             raise self.candidate.error
-        return self._result(verdict)
+        return self._result(verdict), self.evidence
 
     def _relay(self) -> list:
         """Pass messages until the evaluator gives this case's verdict."""
@@ -221,6 +226,14 @@ class _Case:
         while True:
             for frame in iter(ev.frames.pop, None):
                 tag, payload = frame[:1], frame[1:]
+                if tag == b"w":  # evidence the evaluator saw (assert_sides.EvaluatorChannel.witness)
+                    try:
+                        line = Codec.plain.dec(payload)
+                    except ProtocolError:
+                        line = None
+                    if type(line) is str and len(self.evidence) < MAX_EVIDENCE:
+                        self.evidence.append(line[:300])
+                    continue
                 if tag == b"v":
                     try:
                         verdict = Codec.plain.dec(payload)

@@ -83,9 +83,9 @@ import sys
 MAX_FRAME = 64 << 20  # bytes of one message; the grader's relay enforces the same bound
 
 # Frame tags: to the evaluator from the candidate (c) or the grader (h); from the evaluator to the
-# candidate (c) or to the grader: a verdict (v), this file compiled (p, first). The grader sets the
-# tag of what it forwards.
-FROM_GRADER, TO_CANDIDATE, VERDICT, COMPILED = b"h", b"c", b"v", b"p"
+# candidate (c) or to the grader: a verdict (v), a line of cheat evidence (w, before its case's verdict),
+# this file compiled (p, first). The grader sets the tag of what it forwards.
+FROM_GRADER, TO_CANDIDATE, VERDICT, EVIDENCE, COMPILED = b"h", b"c", b"v", b"w", b"p"
 
 
 class ProtocolError(Exception):
@@ -753,6 +753,9 @@ class EvaluatorChannel(Channel):
         self.refusal = None  # kept: a case could catch Refused, the verdict still fails
         self.gone = False
         self.case = -1  # the case being run: the grader's notices name it
+        self.names = {}  # ref -> the solution's name bound to it (this case's refs)
+        self.answers = {}  # (name, the call's plain arguments) -> (case, its first answer): the whole task
+        self.recorded = []  # state recording seen: the same call answered differently
 
     def receive(self):
         while True:
@@ -780,15 +783,51 @@ class EvaluatorChannel(Channel):
         return self.value(self.request(message))
 
     def call(self, target, args, kwargs):
+        key = self.call_key(target, args, kwargs)
         reply = self.request(("call", target._ref, [self.codec.enc(a) for a in args],
                               [(k, self.codec.enc(v)) for k, v in kwargs.items()]))
         result = self.value(reply)
+        if key is not None:
+            self.witness(key, result)
         try:
             for index, value in reply[2] if len(reply) > 2 else ():
                 _copy_back(args[index], self.codec.dec(value))
         except (TypeError, ValueError, IndexError):
             raise ProtocolError("a malformed copy of the arguments")
         return result
+
+    def call_key(self, target, args, kwargs):
+        """A call of a function the solution names, with plain arguments only: what `witness` keys its
+        answers by (before the call, which may change its arguments in place); None for any other."""
+        name = self.names.get(target._ref)
+        if name is None or len(self.recorded) >= 3:
+            return None
+        try:
+            return (name, Codec.plain.enc((tuple(args), sorted(kwargs.items()))))
+        except (TypeError, ValueError, RecursionError):
+            return None
+
+    def witness(self, key, result):
+        """State recording caught in the act: a call the task made before, with equal arguments, answered
+        with an unequal value (a call counter, a value kept between calls, state written between cases).
+        Answers are compared as plain values rebuilt here, never by their bytes (a set's order differs
+        between processes); an answer that is a handle is not compared."""
+        try:
+            answer = Codec.plain.dec(Codec.plain.enc(result))  # a copy: the case may change the original
+        except (TypeError, ValueError, RecursionError, ProtocolError):
+            return
+        seen = self.answers.setdefault(key, (self.case, answer))
+        if seen[1] is answer:
+            return
+        try:
+            same = seen[1] == answer or repr(seen[1]) == repr(answer)
+        except BaseException:
+            same = True  # a comparison of plain values that fails is no evidence
+        if not same:
+            where = "in case %d" % self.case if seen[0] == self.case else "in cases %d and %d" % (seen[0], self.case)
+            self.recorded.append("state recording: %s%s answered %s, then %s (%s)" % (
+                key[0], _shown_args(key[1]), _shown(seen[1]), _shown(answer), where))
+            self.answers[key] = (self.case, answer)
 
     def refuse(self, obj, what):
         self.refusal = self.refusal or "the case %s the solution's %s object, which is not plain data" % (
@@ -799,6 +838,19 @@ class EvaluatorChannel(Channel):
         if self.strict:
             self.refusal = self.refusal or "strict mode: the case %s an object of the solution" % what
             raise Refused()
+
+
+def _shown(value, limit=60):
+    return _cut(repr(value), limit)
+
+
+def _shown_args(encoded):
+    args, kwargs = Codec.plain.dec(encoded)
+    return "(%s)" % _cut(", ".join([repr(a) for a in args] + ["%s=%r" % tuple(kv) for kv in kwargs]), 80)
+
+
+def _cut(text, limit):
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _copy_back(original, new):
@@ -941,6 +993,8 @@ def bind(channel, namespace, bindings, asked, source):
                 namespace[name] = module
             continue
         decoded = channel.codec.dec(value)
+        if isinstance(decoded, CandidateObject):
+            channel.names[decoded._ref] = name
         if isinstance(decoded, CandidateObject) and name + "." in source and used_as_module(source, name) \
                 and _module_exists(name):
             channel.refusal = ("the case uses %r as a module, and the solution binds it to a %s instead"
@@ -1022,9 +1076,13 @@ def evaluator(cases_path, mode):
     for index, source in enumerate(cases):
         channel.codec.objects.clear()
         channel.codec.refs.clear()
+        channel.names.clear()
         channel.case = index
+        recorded = len(channel.recorded)
         verdict = evaluate(channel, index, source, scratch)
         _flush()
+        for line in channel.recorded[recorded:]:
+            send_frame(channel_out, EVIDENCE, line)
         send_frame(channel_out, VERDICT, verdict)
     os._exit(0)
 

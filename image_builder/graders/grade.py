@@ -28,8 +28,9 @@ def grade(task: Task, solution: str, executor: Executor, options: GradeOptions =
     try:
         if isinstance(task, AssertTask):
             graded = (grade_spliced if options.splice else grade_asserts)(task, solution, executor, options)
-            if graded.score > 0:
-                graded.evidence = special_casing(task.program(solution), task.cases)
+            # the evaluator's (state recording), then what the solution's code shows
+            graded.evidence = [*graded.evidence, *special_casing(task.program(solution), task.cases, task.prompt)] \
+                if graded.score > 0 else []
             return graded
         if isinstance(task, StdioTask):
             graded = grade_stdio(task, solution, executor, options)
