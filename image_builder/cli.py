@@ -346,9 +346,9 @@ def _layers(store: Path, instance: str | None, env_name: str | None):
 
 
 def _binds(values: tuple[str, ...]):
-    from image_builder.cli_run import BadBind, binds
+    from image_builder.cli_run import BadBind, parse_binds
     try:
-        return binds(values)
+        return parse_binds(values)
     except BadBind as e:
         raise click.BadParameter(f"{e.args[0]!r}: expected SRC:/DEST[:ro|rw]", param_hint="--bind") from None
 
@@ -929,24 +929,8 @@ def sandbox_start(instance, store, tasks, access, memory, disk, layer_dir, net, 
 @_one_line_errors
 def sandbox_exec(sandbox_id, command, timeout, env_vars, cwd, max_output, backend):
     """Run COMMAND in the sandbox: exit status and output as if it ran here (as `run`)."""
-    import posixpath
-
-    from image_builder.runtime.execution import RunRequest
-    from image_builder.runtime.session import OutputCapped
-    if command[0] == "--":
-        command = command[1:]
-    env = dict(v.split("=", 1) for v in env_vars if "=" in v)
-    with _attach(sandbox_id, backend, agent=False) as box:
-        request = RunRequest(tuple(command), env=env, timeout=timeout, max_output=max_output,
-                             workdir=posixpath.join(box.layers.workdir, cwd) if cwd else None)
-        try:
-            result = box.stream(request, stdin=0)
-        except OutputCapped as e:
-            _say_capped(e)
-            sys.exit(_CAPPED)
-        except BrokenPipeError:
-            sys.exit(141)
-    _exit_as(result, timeout)
+    from image_builder import cli_run
+    cli_run.sandbox_exec(sandbox_id, command, timeout, env_vars, cwd, max_output, backend)
 
 
 @sandbox_group.command(name="cp")

@@ -1,6 +1,6 @@
-"""`image-builder run`'s fast path (image_builder.entry, cli_run.parse): the parameters click
-would give, for the argv click accepts, and None (left to click) for everything else; no click
-imported on the way to a run."""
+"""`image-builder run`'s and `sandbox exec`'s fast path (image_builder.entry, cli_run.parse and
+parse_exec): the parameters click would give, for the argv click accepts, and None (left to click)
+for everything else; no click imported on the way to a run."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ import click
 import pytest
 
 from image_builder import cli_run
-from image_builder.cli import run
+from image_builder.cli import run, sandbox_exec
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def click_params(args: list[str]) -> dict | None:
+def click_params(args: list[str], command=run) -> dict | None:
     try:
-        with run.make_context("run", list(args)) as ctx:
+        with command.make_context(command.name, list(args)) as ctx:
             return dict(ctx.params)
     except click.exceptions.Exit:  # --help
         return None
@@ -73,6 +73,31 @@ def test_parse_leaves_the_rest_to_click(args, monkeypatch):
     assert cli_run.parse(args) is None
 
 
+EXEC_ACCEPTED = [
+    ["box", "true"], ["box", "--", "python3", "-c", "pass"], ["box", "ls", "--timeout", "1"],
+    ["--timeout", "2.5", "-e", "A=1", "-eB=2", "--env=C=3", "box", "env"], ["--cwd", "sub", "box", "pwd"],
+    ["--cwd=--x", "--max-output", "64K", "--backend", "userns", "box", "x"], ["--backend=kernel", "box", "-"],
+    ["--timeout", "1", "--timeout", "3", "box", "x"],
+]
+EXEC_REFUSED = [
+    [], ["box"], ["--help"], ["--", "box", "true"], ["--net", "box", "true"],
+    ["--timeout", "0", "box", "x"], ["--timeout", "nan", "box", "x"], ["--max-output", "lots", "box", "x"],
+    ["--backend", "apptainer", "box", "x"], ["--cwd"], ["-x", "box", "y"],
+]
+
+
+@pytest.mark.parametrize("args", EXEC_ACCEPTED, ids=" ".join)
+def test_parse_exec_reads_as_click(args):
+    expected = click_params(args, sandbox_exec)
+    assert expected is not None, "click refuses it"
+    assert cli_run.parse_exec(args) == expected
+
+
+@pytest.mark.parametrize("args", EXEC_REFUSED, ids=" ".join)
+def test_parse_exec_leaves_the_rest_to_click(args):
+    assert cli_run.parse_exec(args) is None
+
+
 def test_store_from_the_environment(monkeypatch, tmp_path):
     monkeypatch.chdir(ROOT)
     for value in (str(tmp_path), ""):
@@ -110,5 +135,10 @@ def test_the_fast_path_imports_no_click_and_errs_as_click(tmp_path):
     assert slow.exit_code == 1 and lines[:-1] == slow.output.splitlines()
     bad = entry("run", "--memory", "x", "inst", cwd=tmp_path)
     assert bad.returncode == 2 and "Invalid value for '--memory'" in bad.stderr and "HEAVY click" in bad.stderr
+    box = entry("sandbox", "exec", "--timeout", "5", "no-such-box", "true", cwd=tmp_path)
+    assert box.returncode == 1 and box.stderr.splitlines()[-1] == "HEAVY", box.stderr
+    assert box.stderr.startswith("Error: ") and len(box.stderr.splitlines()) == 2, box.stderr
+    slow = CliRunner().invoke(main, ["sandbox", "exec", "--timeout", "5", "no-such-box", "true"])
+    assert slow.exit_code == 1 and box.stderr.splitlines()[:-1] == slow.output.splitlines()
     other = entry("--version", cwd=tmp_path)
     assert other.returncode == 0 and "image-builder, version" in other.stdout
