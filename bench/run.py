@@ -11,7 +11,7 @@ import traceback
 
 from bench.common import ROOT
 
-AREAS = ["pull", "build", "store", "imports", "runtime", "sandbox", "graders", "slurm", "serve"]
+AREAS = ["pull", "build", "store", "imports", "runtime", "sandbox", "graders", "rewards", "slurm", "serve"]
 
 
 def kept_sections(measured: set[str]) -> dict[str, list[str]]:
