@@ -408,17 +408,6 @@ def run(instance, command, store, timeout, memory, net, binds, env_vars, workdir
         raise click.UsageError(str(e)) from None
 
 
-def _say_capped(capped) -> None:
-    from image_builder.cli_run import say_capped
-    say_capped(capped)
-
-
-def _exit_as(result, timeout: float | None) -> None:
-    """End as the command did (`run`, `sandbox exec`): 124 when --timeout stopped it, as timeout(1) does."""
-    from image_builder.cli_run import exit_as
-    exit_as(result, timeout)
-
-
 # A login shell's startup files, then the image's environment over them: /etc/profile sets PATH
 # afresh (Debian's drops /opt/venv/bin, which `run` has). $1 is the rc text; bash reads it when
 # interactive (on a terminal), and commands piped in run with the image's environment as it is.

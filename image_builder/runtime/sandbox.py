@@ -38,12 +38,16 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
 
 from .execution import Bind, RunRequest, RunResult
 from .holder import DEFAULT_MAX_PROCESSES, encode_job, send_fds
 from .mounts import RunnerError
 from .session import (Backend, InstanceLayers, OutputCapped, Session, build_job, build_result, collect,
                       job_descriptors)
+
+if TYPE_CHECKING:
+    import tarfile
 
 DEFAULT_IDLE = 3600.0  # seconds a sandbox waits for its next command before it ends
 FILE_LIMIT = 100 << 20  # bytes read_file and download return at most (Inspect's read_file limit)
