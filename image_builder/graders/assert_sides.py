@@ -40,7 +40,11 @@ there (reading its script or the caller's frames, patching builtins, `sys`,
   naming the type (an always-equal object would otherwise pass); in strict mode
   no truth value comes from the candidate's code at all (handles are never
   compared nor tested for truth), in the default mode handles compared with
-  handles, and a handle's truth, ask the candidate, as the original harness did.
+  handles, and a handle's truth, ask the candidate, as the original harness did,
+  and the result carries that as comparison-overloading evidence.
+- Evidence (EvaluatorChannel.witness, overloaded) goes to the grader before a
+  case's verdict: the same call answered differently within the task (state
+  recording), a truth value the solution's code gave (comparison overloading).
 - A builtin name is the real builtin, unless the solution defines it and it is
   the case's function under test (MBPP 126 asks for `sum(a, b)`: the case
   `assert sum(10, 15) == 6` calls the solution's, as exec'ing the solution and
@@ -721,6 +725,7 @@ class CandidateObject(Proxy):
 
     def __bool__(self):
         self._peer.refuse_in_strict("tested the truth of")
+        self._peer.overloaded("took the truth of the solution's %s" % self._type)
         return self._peer.ask(("truth", self._ref)) is True
 
     def __contains__(self, item):
@@ -730,6 +735,7 @@ class CandidateObject(Proxy):
         if not isinstance(other, CandidateObject):
             self._peer.refuse(self, "compared with a plain value")
         self._peer.refuse_in_strict("compared")
+        self._peer.overloaded("compared the solution's %s with its %s (%s)" % (self._type, other._type, op))
         return self._peer.ask(("compare", op, self._ref, self._peer.codec.enc(other))) is True
 
     __eq__ = lambda self, other: self._compare("eq", other)
@@ -755,7 +761,7 @@ class EvaluatorChannel(Channel):
         self.case = -1  # the case being run: the grader's notices name it
         self.names = {}  # ref -> the solution's name bound to it (this case's refs)
         self.answers = {}  # (name, the call's plain arguments) -> (case, its first answer): the whole task
-        self.recorded = []  # state recording seen: the same call answered differently
+        self.recorded = []  # evidence seen (witness, overloaded), sent before each case's verdict
 
     def receive(self):
         while True:
@@ -828,6 +834,13 @@ class EvaluatorChannel(Channel):
             self.recorded.append("state recording: %s%s answered %s, then %s (%s)" % (
                 key[0], _shown_args(key[1]), _shown(seen[1]), _shown(answer), where))
             self.answers[key] = (self.case, answer)
+
+    def overloaded(self, what):
+        """Comparison overloading's mark (default mode; strict refuses it): a truth value the case takes
+        from the solution's own code (its __eq__, __lt__, __bool__), which may answer anything."""
+        line = "comparison overloading: case %d %s, answered by the solution's code" % (self.case, what)
+        if len(self.recorded) < 3 and line not in self.recorded:
+            self.recorded.append(line)
 
     def refuse(self, obj, what):
         self.refusal = self.refusal or "the case %s the solution's %s object, which is not plain data" % (

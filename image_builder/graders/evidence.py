@@ -13,8 +13,11 @@ here sees, and what it cannot:
   arguments beside its expected value (`if x == [3, 1]: return 7`). It cannot see a table built at run
   time from data it reads, nor values too common to tell apart from honest code (0, 1, -1, 2, booleans,
   None, empty values) unless the whole key is written.
-- comparison overloading: strict mode refuses truth values from the solution's own objects and records a
-  handle compared with a plain value as a case failure (assert_sides.py).
+- comparison overloading: a handle compared with a plain value fails the case (assert_sides.py); strict mode
+  refuses every truth value from the solution's own objects; in the default mode such a truth value (two of
+  its objects compared, one's truth taken: its __eq__ or __bool__ answers) is evidence
+  (assert_sides.EvaluatorChannel.overloaded). An honest solution whose objects the case compares is flagged
+  too.
 - state recording: every case runs in a fresh root and process, so state carried between cases cannot pass
   them; a counter kept on disk resets each case (it passes one-off variants only as a lookup table would).
   Within a case, the evaluator sees every call (assert_sides.EvaluatorChannel.witness): the same call with
