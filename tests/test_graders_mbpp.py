@@ -50,12 +50,9 @@ def test_every_reference_solution_scores_one(host, tasks, solutions, strict):
 
 
 def test_every_impossible_variant_scores_below_one_and_qc_keeps_it(host, tasks, impossible, solutions, tmp_path):
+    """QC grades the reference on every variant (its "reference" check: failed, i.e. below one), the empty
+    solution, and the reference on the original."""
     assert len(impossible) == 78
-    predictions = [Prediction(t.task_id, solutions[t.original_id]) for t in impossible.values()]
-    results = grade_predictions(impossible.values(), predictions, lambda task: host, workers=2)
-    assert [r.task_id for r in results if r.score >= 1.0] == []
-    assert all(r.status is TaskStatus.FAILED for r in results)
-
     verdicts = quality_check_all([*impossible.values(), *tasks], solutions, lambda task: host, workers=2)
     assert len(verdicts) == 78
     assert [v for v in verdicts if not v.kept] == []
