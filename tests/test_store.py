@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -326,6 +327,14 @@ def test_two_catalogs_share_a_store_built_from_a_relative_path(tmp_path, tiny_ba
         f"Error: {tmp_path / 'c/third.yaml'}: environment 'tiny' is already in {tmp_path / 'store'} from catalog "
         f"{first}; rename it in one of them (generated ones: swebench catalog --prefix NAME) or build into "
         "another store"), r.stderr
+    copy = shutil.copytree(first.parent, tmp_path / "copy")  # a copy (another clone of the same commit) is it
+    r = build(copy / first.name)
+    assert r.returncode == 0, r.stderr
+    assert read_index(tmp_path / "store").instances["a-0"].catalog == str(copy / first.name)
+    r = build(first)
+    assert r.returncode == 0, r.stderr
+    index = read_index(tmp_path / "store")
+    assert index.instances["a-0"].catalog == str(first) and sorted(index.instances) == ["a-0", "a-1", "b-0", "b-1"]
     namesake = named("d", "first.yaml", "tiny", "d")  # another folder's first.yaml is another catalog
     r = build(namesake)
     assert r.returncode != 0 and f"is already in {tmp_path / 'store'} from catalog {first};" in r.stderr, r.stderr

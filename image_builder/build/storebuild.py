@@ -299,13 +299,21 @@ def catalog_id(catalog: Catalog) -> str:
 def _is_mine(owner: str, catalog: Catalog) -> bool:
     """Whether an item the index records as from catalog `owner` is this catalog's: the same file; or
     recorded by name only (indexes before paths were kept) and named as this one; or a file of this
-    name that is gone (the catalog was moved, a fresh clone elsewhere)."""
+    name that is gone (the catalog was moved) or holds the same bytes (a copy: another clone of the
+    same commit, whose `make demo` shares the demo's stores)."""
     mine = catalog_id(catalog)
     if owner == mine:
         return True
     if "/" not in owner:
         return owner == catalog.path.name
-    return Path(owner).name == catalog.path.name and not Path(owner).exists()
+    if Path(owner).name != catalog.path.name:
+        return False
+    try:
+        return Path(owner).read_bytes() == catalog.path.read_bytes()
+    except FileNotFoundError:
+        return True
+    except OSError:  # unreadable: another user's, perhaps; not ours to replace
+        return False
 
 
 def _check_ownership(store: Path, catalog: Catalog) -> None:
