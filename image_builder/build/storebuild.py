@@ -202,6 +202,7 @@ def build_store(catalog: Catalog, opts: StoreBuildOptions, reporter: Reporter = 
     remove_dead_work(store)
     envs, instances = select(catalog, opts.only, opts.shard, opts.environments_only)
     _check_ownership(store, catalog)
+    owner = catalog_id(catalog)
     summary = BuildSummary()
     env_builds: dict[str, EnvBuild] = {}
     env_records: dict[str, EnvRecord] = {}
@@ -230,7 +231,7 @@ def build_store(catalog: Catalog, opts: StoreBuildOptions, reporter: Reporter = 
                         failed_in.write_text(opts.attempt)
                     raise
                 failed_in.unlink(missing_ok=True)
-                env_records[spec.name] = _env_record(paths, build, catalog_id(catalog),
+                env_records[spec.name] = _env_record(paths, build, owner,
                                                      env_records[spec.parent] if spec.parent else None)
             env_builds[spec.name] = build
             own = env_records[spec.name].overlays[-1].size if spec.parent else env_records[spec.name].size
@@ -250,7 +251,7 @@ def build_store(catalog: Catalog, opts: StoreBuildOptions, reporter: Reporter = 
             with item_lock(store, f"inst-{spec.id}"):
                 build = build_instance(spec, env, store, backend=opts.build.backend, squash=opts.build.squash,
                                        verbose=opts.build.verbose, force=opts.build.force)
-            inst_records[spec.id] = _instance_record(paths, spec, build, catalog_id(catalog))
+            inst_records[spec.id] = _instance_record(paths, spec, build, owner)
             return ItemResult("instance", spec.id, "built" if build.built else "up to date",
                               time.monotonic() - start, build.size)
         except ImageBuilderError as e:
@@ -320,11 +321,13 @@ def _check_ownership(store: Path, catalog: Catalog) -> None:
     """Two catalogs in one store must not declare the same environment or instance: the second build
     would replace the first's (and a full build of either would drop the other's)."""
     current = current_index(store)
+    others = {o for o in {r.catalog for r in (*current.environments.values(), *current.instances.values())}
+              if o and not _is_mine(o, catalog)}  # once per owner: _is_mine may read two catalog files
     for kind, declared, held in (("environment", catalog.environments, current.environments),
                                  ("instance", catalog.instances, current.instances)):
         for name in declared:
             owner = held[name].catalog if name in held else ""
-            if owner and not _is_mine(owner, catalog):
+            if owner in others:
                 raise ImageBuilderError(f"{catalog.path}: {kind} {shown_id(name)} is already in {store} from "
                                         f"catalog {owner}; rename it in one of them (generated ones: swebench "
                                         "catalog --prefix NAME) or build into another store")
@@ -358,9 +361,10 @@ def _update_index(store: Path, catalog: Catalog, opts: StoreBuildOptions, envs: 
         envs = {**current.environments, **envs}
         instances = {**current.instances, **instances}
         if not opts.only:  # a full build: nothing this catalog no longer declares; other catalogs' items stay
-            envs = {k: v for k, v in envs.items() if k in catalog.environments or not _is_mine(v.catalog, catalog)}
-            instances = {k: v for k, v in instances.items()
-                         if k in catalog.instances or not _is_mine(v.catalog, catalog)}
+            # decided once per owner, not per item: _is_mine may read two catalog files
+            mine = {o for o in {v.catalog for v in (*envs.values(), *instances.values())} if _is_mine(o, catalog)}
+            envs = {k: v for k, v in envs.items() if k in catalog.environments or v.catalog not in mine}
+            instances = {k: v for k, v in instances.items() if k in catalog.instances or v.catalog not in mine}
         instances = {k: v for k, v in instances.items() if v.environment in envs}
         return write_index(store, Index(envs, instances))
 
