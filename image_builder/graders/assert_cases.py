@@ -21,7 +21,7 @@ from importlib import resources
 
 from image_builder.runtime.execution import Executor, RunRequest, RunResult
 from image_builder.tasks import AssertTask
-from .assert_sides import Codec, ProtocolError
+from .assert_sides import MAX_EVIDENCE, Codec, ProtocolError
 from .options import GradeOptions
 from .pyharness import SCRATCH, no_report_reason, process_failure, tail
 from .results import CaseResult, CaseStatus, GradeResult, from_cases
@@ -34,7 +34,6 @@ SIDES = resources.files(__package__).joinpath("assert_sides.py").read_bytes()
 
 MAX_FRAME = 64 << 20  # as assert_sides.MAX_FRAME
 GRACE = 5.0  # seconds past a case's timeout for the runs to report back
-MAX_EVIDENCE = 3  # lines of evidence kept from the evaluator (it sends at most as many)
 HEADER = struct.Struct(">I")
 
 

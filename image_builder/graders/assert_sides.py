@@ -85,6 +85,7 @@ import os
 import sys
 
 MAX_FRAME = 64 << 20  # bytes of one message; the grader's relay enforces the same bound
+MAX_EVIDENCE = 3  # lines of cheat evidence a task's evaluator sends at most (the grader keeps as many)
 
 # Frame tags: to the evaluator from the candidate (c) or the grader (h); from the evaluator to the
 # candidate (c) or to the grader: a verdict (v), a line of cheat evidence (w, before its case's verdict),
@@ -806,7 +807,7 @@ class EvaluatorChannel(Channel):
         """A call of a function the solution names, with plain arguments only: what `witness` keys its
         answers by (before the call, which may change its arguments in place); None for any other."""
         name = self.names.get(target._ref)
-        if name is None or len(self.recorded) >= 3:
+        if name is None or len(self.recorded) >= MAX_EVIDENCE:
             return None
         try:
             return (name, Codec.plain.enc((tuple(args), sorted(kwargs.items()))))
@@ -839,7 +840,7 @@ class EvaluatorChannel(Channel):
         """Comparison overloading's mark (default mode; strict refuses it): a truth value the case takes
         from the solution's own code (its __eq__, __lt__, __bool__), which may answer anything."""
         line = "comparison overloading: case %d %s, answered by the solution's code" % (self.case, what)
-        if len(self.recorded) < 3 and line not in self.recorded:
+        if len(self.recorded) < MAX_EVIDENCE and line not in self.recorded:
             self.recorded.append(line)
 
     def refuse(self, obj, what):

@@ -8,9 +8,10 @@ here sees, and what it cannot:
   tests in the grader, so there is nothing of theirs to modify (splice mode excepted, which is the point of
   that mode).
 - special-casing (this module, static; strings the task's prompt holds are the task's): for stdin/stdout
-  tests, a test's whole input written into the solution inside a string; for assert cases, a case's whole argument list written into the solution as one key
-  (a tuple literal, or its repr inside a string: a lookup table keyed by the visible tests), or one of its
-  arguments beside its expected value (`if x == [3, 1]: return 7`). It cannot see a table built at run
+  tests, a test's whole input written into the solution inside a string; for assert cases, a case's whole
+  argument list written into the solution as one key (a tuple literal, or its repr inside a string: a
+  lookup table keyed by the visible tests), or one of its arguments beside its expected value
+  (`if x == [3, 1]: return 7`). It cannot see a table built at run
   time from data it reads, nor values too common to tell apart from honest code (0, 1, -1, 2, booleans,
   None, empty values) unless the whole key is written.
 - comparison overloading: a handle compared with a plain value fails the case (assert_sides.py); strict mode

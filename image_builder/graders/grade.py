@@ -28,7 +28,7 @@ def grade(task: Task, solution: str, executor: Executor, options: GradeOptions =
     try:
         if isinstance(task, AssertTask):
             graded = (grade_spliced if options.splice else grade_asserts)(task, solution, executor, options)
-            # the evaluator's (state recording), then what the solution's code shows
+            # the evaluator's (state recording, comparison overloading), then what the solution's code shows
             graded.evidence = [*graded.evidence, *special_casing(task.program(solution), task.cases, task.prompt)] \
                 if graded.score > 0 else []
             return graded
