@@ -2,11 +2,12 @@
 
 The 40 sample tasks' cases (reference solutions) and a synthetic batch of
 1,000 cases, graded with 2 workers through the store and runtime, against
-running the same `solution + case` scripts with bare `python3` (the physical
-limit here, and no protection: the case runs in the solution's process), also
-2 at a time. Goal: at least 0.8x of that limit. Each task costs an evaluator
-run besides a candidate run per case (graders/assert_cases.py); the latency row
-(1 worker) shows what that adds to one case.
+running the same `solution + case` scripts with bare `python3` (no protection:
+the case runs in the solution's process), also 2 at a time. Goal (issue 29): at
+least 2.5x that. Each task costs an evaluator run besides a candidate run per
+case (graders/assert_cases.py), both cloned from warm interpreters
+(runtime/warm.py) once an instance has had a run of each; the latency row (1
+worker) shows a case's cost one at a time.
 
 Scale: 5,000 one-case tasks, each in an instance of its own (a copy of one tiny
 overlay over the MBPP environment, indexed by hand), 2 workers: tasks per second
@@ -198,9 +199,9 @@ def main() -> Report:
             assert all(r.passed for r in results), [r.reason for r in results if not r.passed][:3]
             (work / "bare").mkdir(exist_ok=True)
             limit = bare([(solutions[t.original_id], c) for t in task_set for c in t.cases], work / "bare")
-            # A throughput ratio: cases/s ours over cases/s bare (goal >= 0.8), i.e. bare time / our time.
+            # A throughput ratio: cases/s ours over cases/s bare (goal >= 2.5), i.e. bare time / our time.
             report.rows.append(Row(f"{name}: cases per second, {WORKERS} workers", n_cases / ours,
-                                   "bare python3 on the host", n_cases / limit, ">= 0.8x", "cases/s"))
+                                   "bare python3 on the host", n_cases / limit, ">= 2.5x", "cases/s"))
         report.rows.append(latency_row(store, tasks, solutions, work))
         row, note = scale_row(store, work)
         report.rows.append(row)

@@ -17,9 +17,13 @@ import select
 import struct
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import replace
+from functools import partial
 from importlib import resources
 
 from image_builder.runtime.execution import Executor, RunRequest, RunResult
+from image_builder.runtime.warm import WarmPool, WarmUnavailable
 from image_builder.tasks import AssertTask
 from .assert_sides import MAX_EVIDENCE, Codec, ProtocolError
 from .options import GradeOptions
@@ -40,16 +44,19 @@ HEADER = struct.Struct(">I")
 def grade_asserts(task: AssertTask, solution: str, executor: Executor, options: GradeOptions) -> GradeResult:
     solution = task.program(solution)
     mode = "strict" if options.strict else "plain"
-    evaluator = _Run(executor, RunRequest(
-        argv=(options.python, "-S", SIDES_FILE, "evaluator", CASES_FILE, mode),
+    sides = _Sides(executor, options, len(task.cases))
+    # Fresh candidate interpreters take this task's compiled copy of this file: the evaluator's first message.
+    evaluator = _Run(partial(sides.stream, sides.evaluators, RunRequest(
+        argv=(options.python, "-S", SIDES_FILE, "evaluator", CASES_FILE, mode) + (() if sides.candidates else ("pyc",)),
         files={SIDES_FILE: SIDES, CASES_FILE: Codec.plain.enc(tuple(task.cases))}, env=dict(options.env),
         timeout=(options.case_timeout + GRACE) * max(1, len(task.cases)) + GRACE, memory_mb=options.memory_mb,
-        max_output=0))
+        max_output=0)))
     try:
-        program = _compiled(evaluator, time.monotonic() + options.case_timeout + GRACE)
+        program = (SIDES_FILE, SIDES) if sides.candidates else _compiled(evaluator, time.monotonic() +
+                                                                         options.case_timeout + GRACE)
         if evaluator.error is not None:  # the executor failed, not the candidate
             raise evaluator.error
-        graded = [_Case(str(i), solution, program, executor, options, evaluator).run() for i in range(len(task.cases))]
+        graded = [_Case(str(i), solution, program, sides, options, evaluator).run() for i in range(len(task.cases))]
     finally:
         evaluator.stop()
     if evaluator.error is not None:
@@ -94,9 +101,10 @@ def _pump(runs: tuple[_Run, ...], deadline: float) -> None:
 
 
 class _Run:
-    """A streamed run whose stdin, stdout and stderr are pipes held here (our ends non-blocking)."""
+    """A streamed run whose stdin, stdout and stderr are pipes held here (our ends non-blocking):
+    `stream(stdin, stdout, stderr)` runs it."""
 
-    def __init__(self, executor: Executor, request: RunRequest):
+    def __init__(self, stream: Callable[[int, int, int], RunResult]):
         in_r, self.stdin = os.pipe2(os.O_CLOEXEC)
         self.stdout, out_w = os.pipe2(os.O_CLOEXEC)
         self.stderr, err_w = os.pipe2(os.O_CLOEXEC)
@@ -111,7 +119,7 @@ class _Run:
 
         def go() -> None:
             try:
-                self.result = executor.stream(request, stdin=in_r, stdout=out_w, stderr=err_w)
+                self.result = stream(in_r, out_w, err_w)
             except BaseException as exc:  # noqa: BLE001 - raised again in the grading thread
                 self.error = exc
             finally:
@@ -196,15 +204,38 @@ class _Frames:
         return frame
 
 
+class _Sides:
+    """Where the two sides run: warm interpreters of the instance (runtime/warm.py: a clone, per run,
+    of an interpreter that has loaded this file, in a root and pid namespace of its own) where the
+    executor has them, else fresh ones. Evaluators and candidates have zygotes of their own: two runs
+    of the instance, two pid namespaces, as their fresh runs are."""
+
+    def __init__(self, executor: Executor, options: GradeOptions, cases: int):
+        self.executor = executor
+        warm = getattr(executor, "warm", None)
+        env, memory = dict(options.env), options.memory_mb
+        self.evaluators = warm((options.python, "-S"), (SIDES_FILE, SIDES), env, memory, 1) if warm else None
+        self.candidates = warm((options.python,), (SIDES_FILE, SIDES), env, memory, cases) if warm else None
+
+    def stream(self, pool: WarmPool | None, request: RunRequest, stdin: int, stdout: int, stderr: int) -> RunResult:
+        if pool is not None:
+            try:  # the zygote holds this file already
+                return pool.stream(replace(request, files={k: v for k, v in request.files.items() if k != SIDES_FILE}),
+                                   stdin, stdout, stderr)
+            except WarmUnavailable:
+                pass  # nothing of it ran
+        return self.executor.stream(request, stdin, stdout, stderr)
+
+
 class _Case:
-    def __init__(self, name: str, solution: str, program: tuple[str, bytes], executor: Executor,
-                 options: GradeOptions, evaluator: _Run):
+    def __init__(self, name: str, solution: str, program: tuple[str, bytes], sides: _Sides, options: GradeOptions,
+                 evaluator: _Run):
         self.name, self.options, self.evaluator = name, options, evaluator
         self.evidence: list[str] = []
-        self.candidate = _Run(executor, RunRequest(
+        self.candidate = _Run(partial(sides.stream, sides.candidates, RunRequest(
             argv=(options.python, program[0], "candidate", SOLUTION_FILE),
             files={program[0]: program[1], SOLUTION_FILE: solution.encode()}, env=dict(options.env),
-            timeout=options.case_timeout, memory_mb=options.memory_mb, max_output=0))
+            timeout=options.case_timeout, memory_mb=options.memory_mb, max_output=0)))
 
     def run(self) -> tuple[CaseResult, list[str]]:
         """The case's result, and the evidence the evaluator saw in it."""

@@ -1078,14 +1078,16 @@ def verdict_of(exc, channel, path):
     return ("raised", "".join(type(exc).__name__.split()) or "?", shown)
 
 
-def evaluator(cases_path, mode):
-    """Each case of the file in turn, each against the candidate the grader connects for it."""
+def evaluator(cases_path, mode, pyc):
+    """Each case of the file in turn, each against the candidate the grader connects for it; first, with
+    `pyc`, this file compiled for the candidates' fresh interpreters."""
     scratch = os.path.dirname(os.path.abspath(cases_path))
     with open(cases_path, "rb") as f:
         cases = Codec.plain.dec(f.read())
     channel_out = os.dup(1)
     os.dup2(2, 1)  # a case's prints must not reach the channel
-    send_frame(channel_out, COMPILED, compiled())
+    if pyc:
+        send_frame(channel_out, COMPILED, compiled())
     channel = EvaluatorChannel(channel_out, mode == "strict")
     for index, source in enumerate(cases):
         channel.codec.objects.clear()
@@ -1134,4 +1136,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "candidate":
         candidate(sys.argv[2])
     else:
-        evaluator(sys.argv[2], sys.argv[3])
+        evaluator(sys.argv[2], sys.argv[3], sys.argv[4:] == ["pyc"])

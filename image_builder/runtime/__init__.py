@@ -5,6 +5,9 @@
     backends.py        detect_backend, doctor, open_session
     holder_session.py  kernel and userns sessions on the per-user mount holder
     sandbox.py         Sandbox: one root kept from command to command (an agent's)
+    warm.py, zygote.py WarmPool: runs of one Python program cloned from a warm interpreter, each in a
+                       root and pid namespace of its own (zygote.py: what a clone shares, and why a run
+                       cannot leave state for the next)
     holder.py, mounts.py, cgroups.py, native/   the holder process and its primitives
     apptainer.py, extract.py                    the other two backends
 

@@ -229,7 +229,8 @@ def checked_state_dir(layers: InstanceLayers, state_dir: Path | None) -> Path:
 
 def open_session(layers: InstanceLayers, *, backend: Backend | None = None, state_dir: Path | None = None,
                  binds: tuple[Bind, ...] = (), max_processes: int = DEFAULT_MAX_PROCESSES, linger: float = 0.0,
-                 scratch_mb: int | None = None, unpack_dir: Path | None = None) -> Session:
+                 scratch_mb: int | None = None, unpack_dir: Path | None = None,
+                 layers_at: str | None = None) -> Session:
     """Mount `layers` (warm: a layer already mounted for this user is reused) for many runs.
 
     `binds`: host paths to show inside. `max_processes`: per run. `linger`: seconds the
@@ -241,7 +242,9 @@ def open_session(layers: InstanceLayers, *, backend: Backend | None = None, stat
     node-local disk: about the image's size uncompressed) and use it instead of
     squashfuse: with plain squashfuse_ll, whose round trip on every open() slows short
     runs by a third, this wins; squashfuse_cached comes close without it. `state_dir`
-    (default: default_state_dir()) must be this user's, mode 700 (private_state_dir)."""
+    (default: default_state_dir()) must be this user's, mode 700 (private_state_dir).
+    `layers_at`: the layers themselves, read-only, at that path in every run (a warm
+    interpreter's, warm.py, which builds its jobs' roots on them); kernel and userns only."""
     backend = backend or detect_backend()
     if backend is not Backend.APPTAINER or layers.digests:  # holder, trees, checked layers
         state_dir = checked_state_dir(layers, state_dir)
@@ -250,7 +253,9 @@ def open_session(layers: InstanceLayers, *, backend: Backend | None = None, stat
     if backend in (Backend.KERNEL, Backend.USERNS):
         unpack_dir = unpack_dir or os.environ.get("IMAGE_BUILDER_UNPACK_DIR") or None
         return HolderSession(layers, backend, state_dir, tuple(binds), max_processes, linger, scratch_mb,
-                              Path(unpack_dir) if unpack_dir else None)
+                              Path(unpack_dir) if unpack_dir else None, layers_at=layers_at)
+    if layers_at is not None:
+        raise RunnerError(f"the {backend.value} backend cannot show a run its layers; use kernel or userns")
     if backend is Backend.APPTAINER:
         from .apptainer import ApptainerSession
 

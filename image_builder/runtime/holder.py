@@ -41,7 +41,8 @@ Protocol (SOCK_SEQPACKET; descriptors passed with SCM_RIGHTS). Session and holde
 speak marshal (the same interpreter at both ends: the socket name says which):
   session -> holder  {"op": "open", "layers": [(path, offset, size)...], "binds": [(src, dest, ro)...],
                       (size -1: path is a directory, bound read-only)
-                      "linger": s, "scratch_mb": n}        answer {"spec": {...}} or {"error": text}
+                      "linger": s, "scratch_mb": n,        answer {"spec": {...}} or {"error": text}
+                      "layers_at": path or None}           (the layer stack itself bound there, read-only)
   session -> holder  {"op": "init", "network": b}          answer {"network": b} + the init's control socket
                      (with "keep": s, a sandbox's init: its root kept, s seconds idle at most)
 Sandboxes that outlive their command (runtime/sandbox.py; the holder keeps a copy of
@@ -389,8 +390,11 @@ class Holder:
         layers = [self._layer(*x) for x in msg["layers"]]
         stack = self._stack(layers)
         stack.refs += 1
+        binds = tuple(tuple(b) for b in msg["binds"])
+        if msg.get("layers_at"):  # the layers themselves, read-only, for a warm interpreter's runs (zygote.py)
+            binds += ((os.path.join(self.base, stack.path), msg["layers_at"], True),)
         spec = {"base": self.base, "lower": stack.path, "userxattr": not self.kernel,
-                "binds": tuple(tuple(b) for b in msg["binds"]), "scratch_mb": msg["scratch_mb"]}
+                "binds": binds, "scratch_mb": msg["scratch_mb"]}
         self.sessions[conn] = _Session(stack, spec, msg["linger"])
         send_fds(conn, {"spec": spec})
 

@@ -216,7 +216,7 @@ class HolderSession(Session):
 
     def __init__(self, layers: InstanceLayers, backend: Backend, state_dir: Path, binds: tuple[Bind, ...],
                  max_processes: int, linger: float, scratch_mb: int | None, unpack_dir: Path | None,
-                 first_init: bool = True):
+                 first_init: bool = True, layers_at: str | None = None):
         import threading
 
         from image_builder.pack.sif import SifError, partition_offset
@@ -241,7 +241,7 @@ class HolderSession(Session):
             unpacked = _unpacked(Path(unpack_dir), Path(layers.env_sif), offset)
             refs[0] = (str(unpacked.tree), 0, -1)
         msg = {"op": "open", "layers": refs, "linger": float(linger), "scratch_mb": scratch_mb,
-               "binds": [(str(Path(b.src).resolve()), b.dest, b.readonly) for b in binds]}
+               "binds": [(str(Path(b.src).resolve()), b.dest, b.readonly) for b in binds], "layers_at": layers_at}
         try:
             conn, reply = _open_on_holder(state_dir, self._kernel, msg)
         finally:

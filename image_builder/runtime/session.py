@@ -23,6 +23,7 @@ import os
 import select
 import socket
 import stat
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -143,14 +144,29 @@ def _write_all(fd: int, data: memoryview) -> None:
             select.select([], [fd], [])
 
 
+def _own_socketpair(fd: int) -> bool:
+    """An unnamed Unix socket this process made (socketpair): a channel to the run (warm.py's
+    zygote takes its jobs on one), reaching nothing but this process."""
+    sock = socket.socket(fileno=os.dup(fd))
+    try:
+        peer = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        return (sock.family == socket.AF_UNIX and not sock.getsockname() and not sock.getpeername()
+                and struct.unpack("3i", peer)[0] == os.getpid())
+    except OSError:
+        return False
+    finally:
+        sock.close()
+
+
 def _stdin_for_run(fd: int | None) -> tuple[int | None, object]:
     """What a streamed run may be given of this process's `fd` as its stdin, and what to
     call when it is over. Never the host's own file or device: a regular file could be
     reopened for writing through /proc/self/fd/0 from inside, a terminal takes TIOCSTI
     (typing into the user's shell), a socket reaches the host's network. So: a pipe as
-    it is (streams, as in a shell pipeline), a terminal or /dev/null as /dev/null, a
-    regular file copied to an unlinked temporary file (a regular file, as judges want;
-    on disk, not in memory), anything else copied into a pipe by a thread."""
+    it is (streams, as in a shell pipeline), as is a socketpair this process made
+    (_own_socketpair), a terminal or /dev/null as /dev/null, a regular file copied to an
+    unlinked temporary file (a regular file, as judges want; on disk, not in memory),
+    anything else copied into a pipe by a thread."""
     if fd is None:
         return None, lambda: None
     try:
@@ -159,7 +175,7 @@ def _stdin_for_run(fd: int | None) -> tuple[int | None, object]:
         return None, lambda: None
     if os.isatty(fd) or (stat.S_ISCHR(st.st_mode) and st.st_rdev == os.stat(os.devnull).st_rdev):
         return None, lambda: None
-    if stat.S_ISFIFO(st.st_mode):
+    if stat.S_ISFIFO(st.st_mode) or (stat.S_ISSOCK(st.st_mode) and _own_socketpair(fd)):
         return fd, lambda: None
     if stat.S_ISREG(st.st_mode):
         import tempfile

@@ -1,0 +1,295 @@
+"""A warm interpreter for many runs of one Python program, each in a root of its own (runtime/warm.py
+starts it and hands it the runs).
+
+Shipped into a run and started there as `python3 zygote.py LAYERS PROGRAM`; it imports nothing of
+image_builder and keeps to syntax Python 3.6 parses (it refuses to serve before 3.7, which lacks
+PyOS_AfterFork_Child). It is a run like any other (a fresh root over the instance's layers, its own
+pid, mount, ipc and network namespaces, root of a user namespace that owns nothing of the host),
+and the instance's layers are bound read-only at LAYERS. It compiles PROGRAM and runs its imports'
+worth of start-up once; then, per job, it clones itself into a new pid namespace, and the clone
+(pid 1 there):
+  - makes a new mount and ipc namespace, a tmpfs, and a new overlay root of LAYERS under it (so a
+    fresh writable layer, /tmp and /dev/shm), /proc of its pid namespace (the zygote's /proc where a
+    new one may not be mounted: the kernel backend masks /proc, and a masked one cannot be
+    re-mounted from a user namespace), the zygote's /dev; pivots into it and detaches the rest;
+  - drops into a nested user namespace that owns none of that (the mounts and /proc masks stay put);
+  - forks the job's process (pid 2, as a command under an init), which reads the job's files from
+    the job's descriptor (never the zygote: its memory holds no job's data, so no clone of it does),
+    writes them, takes the job's stdio and limits and runs PROGRAM as __main__ with the job's argv.
+  The clone answers the exit status and peak memory, then exits: being pid 1, it takes every other
+  process of the job with it, before the zygote starts the next.
+
+What a job shares with the zygote and so with the jobs before it: the interpreter's state as the
+zygote left it (modules imported, PROGRAM compiled, the hash seed), copied on write, never written
+back: what a job changes in memory dies with it. Files: the layers, read-only; every writable file
+system is the job's own. Processes: none survive a job. IPC: a namespace per job. The network
+namespace is the zygote's (isolated; no process of a job outlives it, so neither does a socket).
+What a job can see of the zygote: with the zygote's /proc (kernel backend), its processes (not their
+memory, files or environment: the zygote and the job's pid 1 are not dumpable), which it may signal;
+that can only fail its own run. The evaluator's zygote is another run, in another pid namespace.
+
+Control protocol, on descriptor 0 (a SOCK_SEQPACKET socket; descriptors with SCM_RIGHTS):
+  <- {"ready": true} once, when it takes jobs
+  -> {"argv": [...] (after PROGRAM), "workdir": str, "timeout": s|null, "memory_mb": n|null,
+      "max_processes": n, "scratch_kb": [layer, tmp, shm] (each tmpfs's share of the memory: init.c's
+      scratch_sizes)} + stdin, stdout, stderr, the job's files (u32 path length, path, u64 size, bytes;
+      paths absolute)
+  <- {"exit_code": n|null, "signal": n|null, "timed_out": b, "peak_memory_kb": n} or {"error": text}
+     (an error: the job did not start, nothing of it ran; warm.py then runs it the ordinary way)
+"""
+
+import array
+import ctypes
+import json
+import os
+import resource
+import select
+import signal
+import socket
+import struct
+import sys
+
+NEWNS, NEWIPC, NEWUSER, NEWPID = 0x00020000, 0x08000000, 0x10000000, 0x20000000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
+MNT_DETACH = 2
+PR_SET_DUMPABLE = 4
+SYSCALLS = {"x86_64": (56, 155), "aarch64": (220, 41)}  # clone, pivot_root
+ROOT = "/tmp/.ib-job"  # in the clone's own mount namespace only: a tmpfs over the zygote's /tmp
+
+libc = ctypes.CDLL(None, use_errno=True)
+
+
+def check(r, what):
+    if r != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, "%s: %s" % (what, os.strerror(e)))
+
+
+def mount(src, dst, fstype, flags, data=None):
+    check(libc.mount(src.encode(), dst.encode(), fstype.encode() if fstype else None, flags,
+                     data.encode() if data else None), "mount " + dst)
+
+
+def clone_newpid():
+    """fork() into a new pid namespace: os.fork's steps around a raw clone (no os.fork takes flags)."""
+    api = ctypes.pythonapi
+    api.PyOS_BeforeFork()
+    pid = libc.syscall(SYSCALLS[os.uname().machine][0], NEWPID | signal.SIGCHLD, 0, 0, 0, 0)
+    e = ctypes.get_errno()
+    if pid == 0:
+        api.PyOS_AfterFork_Child()
+    else:
+        api.PyOS_AfterFork_Parent()
+    if pid < 0:
+        raise OSError(e, "clone: " + os.strerror(e))
+    return pid
+
+
+def build_root(layers, scratch_kb):
+    """The job's root, as the runtime's init builds one (native/init.c enter_root): see the docstring."""
+    check(libc.unshare(NEWNS | NEWIPC), "unshare")
+    mount("none", "/", None, MS_REC | MS_PRIVATE)
+    layer, tmp, shm = ("size=%dk,nr_inodes=%d" % (kb - kb // 8, max(16, kb // 8)) for kb in scratch_kb)
+    mount("scratch", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=755," + layer)
+    for d in ("/tmp/u", "/tmp/w", ROOT):
+        os.mkdir(d, 0o755)
+    mount("overlay", ROOT, "overlay", MS_NOSUID | MS_NODEV,
+          "lowerdir=%s,upperdir=/tmp/u,workdir=/tmp/w,userxattr" % layers)
+    os.chdir(ROOT)
+    for name in ("proc", "dev", "tmp"):
+        if not os.path.isdir(name) or os.path.islink(name):
+            raise OSError("the layers' /%s is not a directory" % name)
+    mount("tmp", "tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777," + tmp)
+    try:
+        mount("proc", "proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    except OSError:  # a masked /proc above (kernel backend): that one, masks and all
+        mount("/proc", "proc", None, MS_BIND | MS_REC)
+    mount("/dev", "dev", None, MS_BIND | MS_REC)
+    mount("shm", "dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777," + shm)
+    check(libc.syscall(SYSCALLS[os.uname().machine][1], b".", b"."), "pivot_root")
+    check(libc.umount2(b".", MNT_DETACH), "detach the zygote's root")
+    os.chdir("/")
+
+
+def drop(max_processes):
+    resource.setrlimit(resource.RLIMIT_NPROC, (max_processes, max_processes))  # counted in the new namespace
+    check(libc.unshare(NEWUSER), "unshare the user namespace")
+    for path, text in (("/proc/self/setgroups", "deny"), ("/proc/self/uid_map", "0 0 1"),
+                       ("/proc/self/gid_map", "0 0 1")):
+        with open(path, "w") as f:
+            f.write(text)
+
+
+def read_files(fd):
+    data = b""
+    while True:
+        chunk = os.read(fd, 1 << 20)
+        if not chunk:
+            break
+        data += chunk
+    files, at = [], 0
+    while at < len(data):
+        (n,) = struct.unpack_from("<I", data, at)
+        path = data[at + 4:at + 4 + n].decode()
+        (size,) = struct.unpack_from("<Q", data, at + 4 + n)
+        at += 12 + n
+        files.append((path, data[at:at + size]))
+        at += size
+    return files
+
+
+def job_process(job, fds, code, program):
+    """pid 2: the job's stdio and files, its limits, then PROGRAM as __main__ (as `python3 PROGRAM ARGS`)."""
+    for i in range(3):
+        os.dup2(fds[i], i)
+    jobfd = os.dup(fds[3])
+    close_except([jobfd])
+    for path, data in read_files(jobfd):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+    os.close(jobfd)
+    os.makedirs(job["workdir"], exist_ok=True)
+    os.chdir(job["workdir"])
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if job["memory_mb"]:
+        limit = job["memory_mb"] << 20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    prctl(PR_SET_DUMPABLE, 1)
+    sys.argv = [program] + job["argv"]
+    sys.path[0] = os.path.dirname(program)
+    module = type(sys)("__main__")
+    module.__file__ = program
+    module.__builtins__ = __builtins__
+    sys.modules["__main__"] = module
+    status = 0
+    try:
+        exec(code, module.__dict__)
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, int) and e.code is not None:
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+        status = 1
+    try:
+        import atexit
+        atexit._run_exitfuncs()
+    except BaseException:
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            pass
+    os._exit(status & 0xFF)
+
+
+def close_except(keep):
+    """Close every descriptor above 2 but those in `keep` (as listed: closerange loops to its end
+    before Python 3.10)."""
+    for name in os.listdir("/proc/self/fd"):
+        if int(name) > 2 and int(name) not in keep:
+            try:
+                os.close(int(name))
+            except OSError:  # the listing's own
+                pass
+
+
+def prctl(option, value):
+    libc.prctl(option, ctypes.c_ulong(value), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+
+
+def job_root(job, fds, status_w, layers, code, program):
+    """pid 1 of the job's pid namespace: its root, then its process; answers how that ended."""
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        close_except([status_w] + fds)  # the zygote's control socket above all
+        build_root(layers, job["scratch_kb"])
+        drop(job["max_processes"])
+        pid = os.fork()
+        if pid == 0:
+            try:
+                job_process(job, fds, code, program)
+            finally:
+                os._exit(127)
+    except BaseException as exc:
+        os.write(status_w, json.dumps({"error": "%s: %s" % (type(exc).__name__, exc)}).encode())
+        os._exit(0)
+    for fd in fds:
+        os.close(fd)
+    while True:
+        _, status, usage = os.wait4(pid, 0)
+        if os.WIFEXITED(status) or os.WIFSIGNALED(status):
+            break
+    answer = {"exit_code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
+              "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+              "timed_out": False, "peak_memory_kb": usage.ru_maxrss}
+    os.write(status_w, json.dumps(answer).encode())
+    os._exit(0)  # pid 1: every other process of the job goes with it
+
+
+def serve(layers, program):
+    with open(program, "rb") as f:
+        code = compile(f.read(), program, "exec", dont_inherit=True)
+    prctl(PR_SET_DUMPABLE, 0)
+    ctl = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET, 0, os.dup(0))
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.close(null)
+    ctl.sendall(b'{"ready": true}')
+    while True:
+        fds = array.array("i")
+        try:
+            msg, anc, _, _ = ctl.recvmsg(1 << 16, socket.CMSG_SPACE(4 * fds.itemsize))
+        except OSError:
+            return
+        for level, kind, data in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
+        if not msg:
+            return
+        ctl.sendall(json.dumps(run_job(json.loads(msg.decode()), list(fds), layers, code, program)).encode())
+        for fd in fds:
+            os.close(fd)
+
+
+def run_job(job, fds, layers, code, program):
+    if len(fds) != 4:
+        return {"error": "a job comes with 4 descriptors, not %d" % len(fds)}
+    status_r, status_w = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        pid = clone_newpid()
+    except OSError as e:
+        os.close(status_r)
+        os.close(status_w)
+        return {"error": str(e)}
+    if pid == 0:
+        os.close(status_r)
+        job_root(job, fds, status_w, layers, code, program)
+    os.close(status_w)
+    timeout = job["timeout"]
+    ready, _, _ = select.select([status_r], [], [], timeout)
+    answer = os.read(status_r, 1 << 16) if ready else b""
+    timed_out = not ready
+    if timed_out or not answer:
+        os.kill(pid, signal.SIGKILL)  # pid 1 of the job's namespace: the whole job
+    os.close(status_r)
+    os.waitpid(pid, 0)
+    if timed_out:
+        return {"exit_code": None, "signal": signal.SIGKILL, "timed_out": True, "peak_memory_kb": None}
+    if not answer:  # the job's pid 1 was killed (from inside: a signal to the zygote's /proc)
+        return {"exit_code": None, "signal": signal.SIGKILL, "timed_out": False, "peak_memory_kb": None}
+    return json.loads(answer.decode())
+
+
+if __name__ == "__main__":
+    if (sys.version_info < (3, 7) or os.uname().machine not in SYSCALLS
+            or not hasattr(ctypes.pythonapi, "PyOS_AfterFork_Child")):
+        sys.stderr.write("zygote: needs CPython 3.7 or later on x86_64 or aarch64\n")
+        sys.exit(3)
+    serve(sys.argv[1], sys.argv[2])

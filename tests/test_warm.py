@@ -1,0 +1,203 @@
+"""Warm interpreters (runtime/warm.py, runtime/zygote.py): each job a clone of one zygote, and still
+nothing of one job reaches the next: files, processes, IPC, memory; the zygote never holds a job's
+data; limits and timeouts hold; a job that kills its zygote fails only itself."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from image_builder.graders import GradeOptions, grade
+from image_builder.graders.grading import StoreExecutors
+from image_builder.runtime.backends import open_session
+from image_builder.runtime.execution import RunRequest
+from image_builder.runtime.session import InstanceLayers
+from image_builder.runtime.warm import LAYERS_AT, WarmPool
+from image_builder.store.store import Store
+from image_builder.tasks import AssertTask
+
+PROGRAM = ("/tmp/.ib-test/job.py", b"import sys\nexec(compile(open(sys.argv[1]).read(), sys.argv[1], 'exec'))\n")
+SCRIPT = "/tmp/.ib-test/script.py"
+
+
+@pytest.fixture(scope="module")
+def pool(mbpp_store):
+    resolved = Store.open(mbpp_store).resolve("512")
+    layers = InstanceLayers(resolved.env_sif, resolved.overlays, resolved.env, resolved.workdir, resolved.digests)
+    with open_session(layers, layers_at=LAYERS_AT) as session:
+        warm = WarmPool(session, layers, ("python3",), PROGRAM, {}, 256)
+        yield warm
+        warm.close()
+
+
+def job(pool: WarmPool, script: str, timeout: float = 20) -> tuple[int | None, str, object]:
+    out_r, out_w = os.pipe()
+    try:
+        result = pool.stream(RunRequest(argv=("python3", PROGRAM[0], SCRIPT), files={SCRIPT: script.encode()},
+                                        timeout=timeout, memory_mb=256), None, out_w, out_w)
+    finally:
+        os.close(out_w)
+    with os.fdopen(out_r) as f:
+        return result.exit_code, f.read(), result
+
+
+def test_a_job_leaves_nothing_for_the_next(pool):
+    code, out, _ = job(pool, """
+import ctypes, os, subprocess, sys
+for path in ("/etc/ib-left", "/tmp/ib-left", "/dev/shm/ib-left", "/root/ib-left"):
+    open(path, "w").write("x")
+libc = ctypes.CDLL(None, use_errno=True)
+shm = libc.shmget(0x1B1B, 4096, 0o1666)  # IPC_CREAT | 0666, never removed
+assert shm >= 0, ctypes.get_errno()
+subprocess.Popen(["python3", "-c", "import os, time; os.setsid(); time.sleep(60)  # ib-left-daemon"],
+                 start_new_session=True)
+import json
+json.ib_left = "in memory"
+os.environ["IB_LEFT"] = "1"
+print("wrote")
+""")
+    assert (code, out.strip()) == (0, "wrote")
+    code, out, _ = job(pool, """
+import ctypes, json, os
+left = [p for p in ("/etc/ib-left", "/tmp/ib-left", "/dev/shm/ib-left", "/root/ib-left") if os.path.exists(p)]
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.shmget(0x1B1B, 4096, 0o666) >= 0:
+    left.append("shm")
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        if b"ib-left-daemon" in open("/proc/%s/cmdline" % pid, "rb").read():
+            left.append("daemon")
+    except OSError:
+        pass
+if hasattr(json, "ib_left") or "IB_LEFT" in os.environ:
+    left.append("memory")
+print(left)
+""")
+    assert (code, out.strip()) == (0, "[]")
+
+
+def test_the_zygote_never_holds_a_jobs_data(pool):
+    """A later job is a copy of the zygote's memory: it finds nothing of an earlier job's files there."""
+    marker = "ib-secret-" + os.urandom(8).hex()
+    assert job(pool, f"print({marker!r}[:3])")[0] == 0
+    code, out, _ = job(pool, f"""
+import re
+needle = {marker[:10]!r}.encode() + bytes.fromhex({marker[10:].encode().hex()!r})
+found = 0
+with open("/proc/self/maps") as maps, open("/proc/self/mem", "rb", 0) as mem:
+    for line in maps:
+        start, end = (int(x, 16) for x in line.split()[0].split("-"))
+        if "r" not in line.split()[1] or "[vvar" in line or "[vsyscall" in line:
+            continue
+        try:
+            mem.seek(start)
+            found += mem.read(end - start).count(needle)
+        except OSError:
+            pass
+print(found)
+""")
+    assert (code, out.strip()) == (0, "1")  # this script's own constant only
+
+
+def test_limits_and_timeouts_hold_and_the_next_job_is_served(pool):
+    code, out, result = job(pool, "while True: pass", timeout=1)
+    assert result.timed_out and code is None
+    code, out, _ = job(pool, "x = bytearray(512 << 20)")
+    assert code == 1 and "MemoryError" in out
+    code, out, _ = job(pool, "import os; print(os.getpid(), os.getuid())")
+    assert (code, out.split()) == (0, ["2", "0"])
+
+
+def test_a_job_that_kills_its_zygote_fails_only_itself(pool):
+    code, _, result = job(pool, """
+import os, signal
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    if int(pid) != os.getpid():
+        try:
+            fd = os.open("/proc/" + pid, os.O_RDONLY | os.O_DIRECTORY)
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+        except OSError:
+            pass
+""")
+    assert result.exit_code in (0, None)
+    assert job(pool, "print('served')")[:2] == (0, "served\n")
+
+
+def test_graded_cases_run_warm_and_a_candidate_sees_no_evaluator(mbpp_store):
+    task = AssertTask("512", ("assert f(1) == 2", "assert f(2) == 3"), "512")
+    spy = """
+import os
+def f(x):
+    seen = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            seen.append(open("/proc/%s/cmdline" % pid, "rb").read())
+        except OSError:
+            pass
+    # The evaluators' zygote (and each clone of it: no exec) runs `python3 -S`, the candidates' does not.
+    assert not any(c.startswith(b"python3\\x00-S\\x00") or b"_ib_cases" in c for c in seen), seen
+    return x + 1
+"""
+    with StoreExecutors(Store.open(mbpp_store)) as executors:
+        executor = executors.for_instance("512")
+        # The second task finds the evaluators' zygote too (one run a task: it pays from the second).
+        results = [grade(task, spy, executor, GradeOptions(case_timeout=10)) for _ in range(2)]
+        pools = list(executors._warm.values())
+    assert [r.score for r in results] == [1.0, 1.0], [(c.status, c.reason, c.stderr_tail) for c in results[-1].cases]
+    assert len(pools) == 2 and not any(p.failed for p in pools)  # evaluators' and candidates' zygotes
+
+
+ROOTLESS = """
+import os, sys
+from pathlib import Path
+from image_builder.runtime.backends import open_session
+from image_builder.runtime.execution import RunRequest
+from image_builder.runtime.session import InstanceLayers
+from image_builder.runtime.warm import LAYERS_AT, WarmPool
+from image_builder.store.store import Store
+PROGRAM = %r
+resolved = Store.open(Path(sys.argv[1])).resolve("512")
+layers = InstanceLayers(resolved.env_sif, resolved.overlays, resolved.env, resolved.workdir, resolved.digests)
+script = (b"import os; print(os.path.exists('/etc/ib-left'), sorted(p for p in os.listdir('/proc') if p.isdigit()), "
+          b"os.getuid()); open('/etc/ib-left', 'w').close()")
+with open_session(layers, layers_at=LAYERS_AT) as session:
+    pool = WarmPool(session, layers, ("python3",), PROGRAM, {}, 256)
+    for _ in range(2):
+        out_r, out_w = os.pipe()
+        r = pool.stream(RunRequest(argv=("python3", PROGRAM[0], "/tmp/s.py"), files={"/tmp/s.py": script}, timeout=20),
+                        None, out_w, out_w)
+        os.close(out_w)
+        print(r.exit_code, os.read(out_r, 4096).decode().strip(), flush=True)
+    pool.close()
+"""
+
+
+def test_rootless_jobs_get_a_proc_of_their_own(mbpp_store, public_dir):
+    """As uid 65534 (userns backend, squashfuse): each job mounts /proc for its own pid namespace."""
+    home = public_dir / "warm-rootless"
+    home.mkdir()
+    os.chown(home, 65534, 65534)
+    script = home / "rootless.py"
+    script.write_text(ROOTLESS % (PROGRAM,))
+    r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, str(script),
+                        str(mbpp_store)], capture_output=True, text=True, cwd=str(Path(__file__).parents[1]),
+                       env={**os.environ, "HOME": str(home), "XDG_RUNTIME_DIR": ""}, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    # pids 1 (the job's init) and 2 (the job) only, root inside; the file written is not there for the next
+    assert r.stdout.splitlines() == ["0 False ['1', '2'] 0"] * 2, r.stdout
+
+
+def test_where_no_zygote_starts_cases_run_in_fresh_interpreters(mbpp_store, monkeypatch):
+    """Python 3.6, an odd machine, a layer stack without /proc: the zygote says so before any job ran."""
+    import image_builder.runtime.warm as warm
+    monkeypatch.setattr(warm, "ZYGOTE", b"import sys\nsys.stderr.write('zygote: not here\\n')\nsys.exit(3)\n")
+    task = AssertTask("512", ("assert f(1) == 2", "assert f(2) == 3"), "512")
+    with StoreExecutors(Store.open(mbpp_store)) as executors:
+        result = grade(task, "def f(x):\n    return x + 1\n", executors.for_instance("512"), GradeOptions())
+        failed = [p.failed for p in executors._warm.values()]
+    assert result.score == 1.0, [(c.status, c.reason, c.stderr_tail) for c in result.cases]
+    assert len(failed) == 1 and "zygote: not here" in failed[0], failed
