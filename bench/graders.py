@@ -9,6 +9,11 @@ case (graders/assert_cases.py), both cloned from warm interpreters
 (runtime/warm.py) once an instance has had a run of each; the latency row (1
 worker) shows a case's cost one at a time.
 
+Stdin/stdout: the sample's CodeContests problems whose reference solutions pass every test on the
+host (graders/stdio.py: a run per test, each a clone of the instance's warm interpreter of any
+script), tests per second with 2 workers, against bare python3 on the host reading the test's input
+from a file, and against the same grading with fresh interpreters (warm interpreters hidden).
+
 Scale: 5,000 one-case tasks, each in an instance of its own (a copy of one tiny
 overlay over the MBPP environment, indexed by hand), 2 workers: tasks per second
 over the last 500 against the first 500 (goal: at least 0.9x), with the holder's
@@ -34,7 +39,7 @@ from image_builder.build.envbuild import BuildOptions
 from image_builder.build.storebuild import StoreBuildOptions, build_store
 from image_builder.devtools.localregistry import push_image, self_signed_cert, start_registry
 from image_builder.oci.layout import rootfs_layer
-from image_builder.graders import AssertTask, GradeOptions, Prediction, grade_predictions, load_tasks
+from image_builder.graders import AssertTask, GradeOptions, Prediction, grade, grade_predictions, load_tasks
 from image_builder.graders.grading import StoreExecutors
 from image_builder.oci.cache import BlobCache
 from image_builder.oci.cache import sha256_file
@@ -94,6 +99,53 @@ def scale_store(mbpp: Store, work: Path) -> Store:
         instances[f"scale-{i}"] = InstanceRecord(f"scale-{i}", env.name, rel, digest, size, "bench")
     write_index(root, Index({env.name: env}, instances))
     return Store.open(root)
+
+
+class _Fresh:
+    """An instance's executor without its warm interpreters: every run a fresh interpreter."""
+
+    def __init__(self, executor):
+        self.run, self.stream = executor.run, executor.stream
+
+
+def stdio_rows(store: Store, work: Path) -> list[Row]:
+    host_check = json.loads((DATA / "codecontests_30_host_check.json").read_text())
+    records = {r["task_id"]: r for r in map(json.loads, (DATA / "codecontests_30.jsonl").read_text().splitlines())}
+    tasks = [t for t in load_tasks(DATA / "codecontests_30.jsonl") if host_check[t.task_id]["all_pass"]]
+    n_tests = sum(len(t.inputs) for t in tasks)
+    options = GradeOptions(stdio_timeout=10)
+    times = {}
+    with StoreExecutors(store) as executors:
+        for name, wrap in (("warm", lambda e: e), ("fresh", _Fresh)):
+            executor = wrap(executors.for_instance(next(iter(store.index.instances))))
+            grade(tasks[0], records[tasks[0].task_id]["solution_py"], executor, options)  # mounts, zygote
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(WORKERS) as pool:
+                results = list(pool.map(lambda t: grade(t, records[t.task_id]["solution_py"], executor, options),
+                                        tasks))
+            times[name] = time.perf_counter() - t0
+            assert all(r.passed for r in results), [(r.task_id, r.reason) for r in results if not r.passed][:3]
+    runs = []
+    for i, t in enumerate(tasks):
+        (work / "stdio" / str(i)).mkdir(parents=True)
+        program = work / "stdio" / str(i) / "solution.py"
+        program.write_text(records[t.task_id]["solution_py"])
+        for j, given in enumerate(t.inputs):
+            (work / "stdio" / str(i) / f"{j}.in").write_text(given)
+            runs.append((program, work / "stdio" / str(i) / f"{j}.in"))
+
+    def one(run: tuple[Path, Path]) -> None:
+        with run[1].open("rb") as stdin:
+            subprocess.run([sys.executable, "-I", str(run[0])], stdin=stdin, capture_output=True, timeout=60)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(WORKERS) as pool:
+        list(pool.map(one, runs))
+    bare_time = time.perf_counter() - t0
+    what = f"{len(tasks)} CodeContests problems ({n_tests} stdin/stdout tests): tests per second, {WORKERS} workers"
+    return [Row(what, n_tests / times["warm"], "bare python3 on the host", n_tests / bare_time, "report", "tests/s"),
+            Row(what, n_tests / times["warm"], "our fresh interpreters", n_tests / times["fresh"], "report",
+                "tests/s")]
 
 
 def latency_row(store: Store, tasks: list[AssertTask], solutions: dict[str, str], work: Path) -> Row:
@@ -203,6 +255,7 @@ def main() -> Report:
             report.rows.append(Row(f"{name}: cases per second, {WORKERS} workers", n_cases / ours,
                                    "bare python3 on the host", n_cases / limit, ">= 2.5x", "cases/s"))
         report.rows.append(latency_row(store, tasks, solutions, work))
+        report.rows.extend(stdio_rows(store, work))
         row, note = scale_row(store, work)
         report.rows.append(row)
         report.notes.append(note)

@@ -505,8 +505,12 @@ def serve(store, env_name, host, port, token_file, no_token, url_file, max_concu
     except ImportError:
         raise click.ClickException("serve needs starlette and uvicorn: pip install 'image_builder[serve]'") from None
 
+    import contextlib
+    from functools import partial
+
     from image_builder.runtime.backends import open_session
     from image_builder.runtime.session import Backend
+    from image_builder.runtime.warm import LAYERS_AT, WarmPools
     from image_builder.serve import Limits, Runner, default_token_file, environment_layers, listen, \
         load_or_create_token, make_app, url_of
     from image_builder.store.files import atomic_write
@@ -530,8 +534,10 @@ def serve(store, env_name, host, port, token_file, no_token, url_file, max_concu
     # uvicorn re-raises the SIGTERM it stopped on once it is done: end as asked, but through the `with`
     # below, so the session closes (its mounts let go) rather than the process dying inside uvicorn.run.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    with open_session(layers, backend=Backend(backend) if backend else None) as session:
-        runner = Runner.probe(session)
+    chosen = Backend(backend) if backend else None
+    warm = WarmPools(layers, partial(open_session, layers, backend=chosen, layers_at=LAYERS_AT))
+    with open_session(layers, backend=chosen) as session, contextlib.closing(warm):
+        runner = Runner.probe(session, warm)
         click.echo(f"image-builder serve: environment {name} ({', '.join(sorted(runner.languages)) or 'no languages'})"
                    f" on {url}", err=True)
         server = uvicorn.Server(uvicorn.Config(make_app(runner, token, Limits(max_concurrency, queue, body_limit)),

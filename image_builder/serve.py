@@ -35,6 +35,7 @@ from pathlib import Path
 from image_builder.errors import ImageBuilderError
 from image_builder.runtime.execution import RunRequest, RunResult
 from image_builder.runtime.session import InstanceLayers
+from image_builder.runtime.warm import WarmExecutor, WarmPools, run_warm
 from image_builder.submit import BadSubmit, Submission, evaluate, parse_submit
 
 DEFAULT_BODY_LIMIT = 16 << 20
@@ -261,21 +262,25 @@ def answer(request: RunCodeRequest, language: Language, result: RunResult, fetch
 
 
 class Runner:
-    """Runs /run_code requests in one environment's warm session (thread-safe: the graders share theirs)."""
+    """Runs /run_code requests in one environment's warm session (thread-safe: the graders share theirs);
+    with `warm`, Python runs are clones of warm interpreters (runtime/warm.py: the same fresh root, without
+    the interpreter's start), and so are /submit's graders' runs (`executor`)."""
 
     def __init__(self, session, languages: dict[str, Language], has_setsid: bool,
-                 max_output: int = DEFAULT_MAX_OUTPUT):
+                 max_output: int = DEFAULT_MAX_OUTPUT, warm: WarmPools | None = None):
         self.session, self.languages, self.has_setsid, self.max_output = session, languages, has_setsid, max_output
+        self.warm = warm
+        self.executor = WarmExecutor(session, warm) if warm else session
 
     @classmethod
-    def probe(cls, session) -> Runner:
+    def probe(cls, session, warm: WarmPools | None = None) -> Runner:
         """The languages the environment has, by one run of each's probe, and whether it has setsid
         (_fetch_script's timer)."""
         def has(test: str) -> bool:
             return session.run(RunRequest(("/bin/sh", "-c", test), timeout=30)).exit_code == 0
 
         return cls(session, {lang.name: lang for lang in LANGUAGES if has(lang.probe)},
-                   has("command -v setsid >/dev/null"))
+                   has("command -v setsid >/dev/null"), warm=warm)
 
     def run(self, request: RunCodeRequest) -> RunCodeResponse:
         language = self.languages.get(request.language)
@@ -318,8 +323,10 @@ class Runner:
             files[".ib-serve/run.sh"] = _fetch_script(argv, fetch, nonce, timer).encode()
             argv = ("/bin/sh", ".ib-serve/run.sh")
             timeout += FETCH_GRACE if timer else 0
-        result = self.session.run(RunRequest(argv, stdin=stdin, files=files, timeout=timeout, memory_mb=memory_mb,
-                                             max_output=self.max_output, network=False))
+        request = RunRequest(argv, stdin=stdin, files=files, timeout=timeout, memory_mb=memory_mb,
+                             max_output=self.max_output, network=False)
+        pool = self.warm.pool(argv[:1], None, {}, memory_mb, 2) if self.warm and argv[0] == "python3" else None
+        result = run_warm(pool, self.session, request)
         if nonce is None:
             return result, result.stderr, None
         stderr, fetched = _split_fetched(result.stderr, nonce, fetch)
@@ -451,7 +458,7 @@ def make_app(runner: Runner, token: str | None, limits: Limits = Limits(),
 
     def evaluated(parsed: Submission) -> dict | JSONResponse:
         try:
-            return evaluate(parsed, runner.session, run_for_submit).to_json()
+            return evaluate(parsed, runner.executor, run_for_submit).to_json()
         except BadSubmit as exc:  # the row is not its class's: SandboxFusion answers 400 too
             return refused(400, f"not a /submit request: {exc}")
         except Exception as exc:  # a fault of ours: graders answer every candidate with a record

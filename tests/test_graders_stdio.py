@@ -19,9 +19,27 @@ from tests.support.host_executor import HostExecutor
 DATA = ROOT / "index/data"
 
 
-@pytest.fixture(scope="module")
-def host():
-    return HostExecutor()
+@pytest.fixture(scope="module", params=["host", "warm"])
+def host(request):
+    """Each behaviour on the host (tests/support) and in the store's runtime, where every test's run is
+    a clone of a warm interpreter (runtime/warm.py)."""
+    if request.param == "host":
+        yield HostExecutor()
+        return
+    from image_builder.graders.grading import StoreExecutors
+    from image_builder.store.store import Store
+    with StoreExecutors(Store.open(request.getfixturevalue("mbpp_store"))) as executors:
+        yield executors.for_instance("512")
+
+
+def test_tests_run_warm_in_the_store(mbpp_store):
+    from image_builder.graders.grading import StoreExecutors
+    from image_builder.store.store import Store
+    with StoreExecutors(Store.open(mbpp_store)) as executors:
+        result = grade(SUMS, SUMS_BY_INPUT, executors.for_instance("512"), GradeOptions())
+        pools = [p for pools in executors._warm.values() for p in pools.pools.values()]
+        assert result.score == 1.0
+        assert len(pools) == 1 and not pools[0].failed and len(pools[0]._idle) == 1  # one zygote served both
 
 
 # Sum of each line's two integers, one answer a line.
@@ -67,7 +85,7 @@ def test_a_crash_is_an_error_with_the_exception(host):
 
 def test_a_hanging_solution_times_out(host):
     result = grade(SUMS, "while True:\n    pass\n", host, GradeOptions(stdio_timeout=1))
-    assert {c.status for c in result.cases} == {CaseStatus.TIMEOUT}
+    assert {c.status for c in result.cases} == {CaseStatus.TIMEOUT}, [c.reason for c in result.cases]
     assert result.cases[0].reason.startswith("timed out after 1.")
 
 
@@ -79,7 +97,7 @@ def test_a_flood_of_output_fails(host):
 def test_a_fork_bomb_is_contained(host):
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
     result = grade(SUMS, bomb, host, GradeOptions(stdio_timeout=2))
-    assert {c.status for c in result.cases} == {CaseStatus.TIMEOUT}
+    assert {c.status for c in result.cases} == {CaseStatus.TIMEOUT}, [c.reason for c in result.cases]
 
 
 def test_a_memory_hog_runs_out_of_memory(host):

@@ -79,6 +79,16 @@ def test_the_official_client_runs_python(open_server):
     assert 0 < r.run_result.execution_time < 30
 
 
+def test_python_runs_are_warm_clones_in_fresh_roots(open_server):
+    """Each served Python run is a clone of a warm interpreter (runtime/warm.py; the kernel backend shows
+    it the zygote's processes in /proc) and still finds nothing of the run before."""
+    code = ("import os\nleft = os.path.exists('/tmp/left')\nopen('/tmp/left', 'w').close()\n"
+            "seen = [open('/proc/%s/cmdline' % p, 'rb').read() for p in os.listdir('/proc') if p.isdigit()]\n"
+            "print(left, any(b'zygote.py' in c for c in seen))")
+    answers = [call(open_server, code=code, language="python").run_result.stdout for _ in range(3)]
+    assert answers == ["False True\n"] * 3
+
+
 def test_stdin_and_stderr(open_server):
     code = "import sys\nd = sys.stdin.read()\nprint(d.upper(), end='')\nprint('e', file=sys.stderr)"
     r = call(open_server, code=code, language="python", stdin="abc\ndef\n")

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -127,6 +129,88 @@ for pid in filter(str.isdigit, os.listdir("/proc")):
     assert job(pool, "print('served')")[:2] == (0, "served\n")
 
 
+def test_a_job_cannot_stop_its_zygote(pool):
+    """The zygote's /proc (kernel backend) shows the zygote, but a signal to it from the job's pid
+    namespace, a descendant of the zygote's, is refused (EINVAL; kill() has no pid for it)."""
+    code, out, _ = job(pool, """
+import os, signal
+me = os.readlink("/proc/self")  # pids as the zygote's /proc numbers them
+mine = (me, open("/proc/%s/stat" % me).read().rsplit(")", 1)[1].split()[1])  # and the job's pid 1
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    if pid != "1" and pid not in mine:
+        try:
+            signal.pidfd_send_signal(os.open("/proc/" + pid, os.O_RDONLY | os.O_DIRECTORY), signal.SIGSTOP)
+            print(pid, "stopped")
+        except OSError as e:
+            print(pid, e.errno)
+""", timeout=5)
+    assert code == 0 and "stopped" not in out, out
+    assert job(pool, "print('served')")[:2] == (0, "served\n")
+
+
+def _hung_zygotes() -> list[str]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if b"IB=ib-hung-zygote\0" in Path(f"/proc/{pid}/environ").read_bytes():
+                found.append(pid)
+        except OSError:
+            pass
+    return found
+
+
+def test_a_zygote_that_stops_answering_is_killed_with_its_run(mbpp_store, monkeypatch):
+    """Whatever keeps a zygote from answering, the job reads as killed after its timeout and the
+    zygote's run goes (a stopped or hung one would otherwise hold the job's output pipes)."""
+    import image_builder.runtime.warm as warm
+    monkeypatch.setattr(warm, "GRACE", 1.0)
+    monkeypatch.setattr(warm, "ZYGOTE", b"import os, time\nos.write(0, b'{\"ready\": true}')\ntime.sleep(3600)\n")
+    resolved = Store.open(mbpp_store).resolve("512")
+    layers = InstanceLayers(resolved.env_sif, resolved.overlays, resolved.env, resolved.workdir, resolved.digests)
+    with open_session(layers, layers_at=LAYERS_AT) as session:
+        hung = WarmPool(session, layers, ("python3",), None, {"IB": "ib-hung-zygote"}, 256)
+        with ThreadPoolExecutor(1) as threads:
+            running = threads.submit(hung.run, RunRequest(argv=("python3", SCRIPT), files={SCRIPT: b"pass"},
+                                                          timeout=2, memory_mb=256))
+            time.sleep(1.5)
+            assert len(_hung_zygotes()) == 1  # the zygote's command, with the environment it was given
+            result = running.result()
+        assert (result.exit_code, result.signal, hung.busy) == (None, 9, 0), result
+        assert _hung_zygotes() == []
+
+
+SCRIPTS = {  # what a fresh `python3 FILE` gives: the same from a warm interpreter of any script
+    "names": "import sys; print(__name__, __file__, sys.argv, sys.path[0], __builtins__.__name__)",
+    "raises": "def f():\n    return 1 / 0\nf()\n",
+    "syntax": "def f(:\n    pass\n",
+    "exit text": "import sys; sys.exit('bye')",
+    "exit code": "import sys; print('out'); sys.stderr.write('err\\n'); sys.exit(3)",
+    "stdin file": "import os, sys; print(os.fstat(0).st_size, sys.stdin.read().split())",
+    "atexit": "import atexit; atexit.register(print, 'at exit'); print('main')",
+    "excepthook": "import sys; sys.excepthook = lambda *a: print('hooked', a[0].__name__); raise KeyError(1)",
+    "too much": "print('x' * 100000)",
+}
+
+
+@pytest.mark.parametrize("relative", [False, True])
+def test_any_script_runs_warm_as_a_fresh_interpreter_runs_it(pool, relative):
+    warm = WarmPool(pool.session, pool.layers, ("python3",), None, {}, 256)
+    try:
+        for name, script in SCRIPTS.items():
+            path = "s.py" if relative else SCRIPT
+            request = RunRequest(argv=("python3", path, "a b", "c"), files={path: script.encode()}, stdin=b"1 2\n3",
+                                 timeout=20, memory_mb=256, max_output=4096)
+            assert warm.takes(request)
+            fresh, clone = pool.session.run(request), warm.run(request)
+            assert (clone.exit_code, clone.stdout, clone.stderr, clone.truncated) == \
+                (fresh.exit_code, fresh.stdout, fresh.stderr, fresh.truncated), name
+        missing = RunRequest(argv=("python3", "/nowhere.py"), timeout=20, memory_mb=256)
+        assert warm.run(missing).exit_code == pool.session.run(missing).exit_code == 2
+        assert not warm.failed and warm.busy == 0
+    finally:
+        warm.close()
+
+
 def test_graded_cases_run_warm_and_a_candidate_sees_no_evaluator(mbpp_store):
     task = AssertTask("512", ("assert f(1) == 2", "assert f(2) == 3"), "512")
     spy = """
@@ -146,7 +230,7 @@ def f(x):
         executor = executors.for_instance("512")
         # The second task finds the evaluators' zygote too (one run a task: it pays from the second).
         results = [grade(task, spy, executor, GradeOptions(case_timeout=10)) for _ in range(2)]
-        pools = list(executors._warm.values())
+        pools = [p for pools in executors._warm.values() for p in pools.pools.values()]
     assert [r.score for r in results] == [1.0, 1.0], [(c.status, c.reason, c.stderr_tail) for c in results[-1].cases]
     assert len(pools) == 2 and not any(p.failed for p in pools)  # evaluators' and candidates' zygotes
 
@@ -198,6 +282,6 @@ def test_where_no_zygote_starts_cases_run_in_fresh_interpreters(mbpp_store, monk
     task = AssertTask("512", ("assert f(1) == 2", "assert f(2) == 3"), "512")
     with StoreExecutors(Store.open(mbpp_store)) as executors:
         result = grade(task, "def f(x):\n    return x + 1\n", executors.for_instance("512"), GradeOptions())
-        failed = [p.failed for p in executors._warm.values()]
+        failed = [p.failed for pools in executors._warm.values() for p in pools.pools.values()]
     assert result.score == 1.0, [(c.status, c.reason, c.stderr_tail) for c in result.cases]
     assert len(failed) == 1 and "zygote: not here" in failed[0], failed

@@ -20,14 +20,14 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 from image_builder.errors import ImageBuilderError
 from image_builder.runtime.backends import open_session
 from image_builder.runtime.execution import Executor, RunRequest, RunResult
-from image_builder.runtime.mounts import RunnerError
 from image_builder.runtime.session import Backend, InstanceLayers, Session
-from image_builder.runtime.warm import LAYERS_AT, WarmPool
+from image_builder.runtime.warm import LAYERS_AT, WarmPool, WarmPools
 from image_builder.store.files import atomic_write
 from image_builder.store.store import Store, UnknownInstance
 from image_builder.store.ids import file_name
@@ -61,11 +61,8 @@ class StoreExecutors:
         self.fallback = fallback
         self._sessions: OrderedDict[tuple, Session] = OrderedDict()  # by layers, least recently used first
         self._busy: Counter[tuple] = Counter()
-        # Warm interpreters (runtime/warm.py), by instance and program, least recently used first; their
-        # sessions (the layers shown inside) by instance.
-        self._warm: OrderedDict[tuple, WarmPool] = OrderedDict()
-        self._warm_sessions: dict[tuple, Session] = {}
-        self._warm_asked: Counter[tuple] = Counter()
+        # Warm interpreters (runtime/warm.py) by instance, least recently used first.
+        self._warm: OrderedDict[tuple, WarmPools] = OrderedDict()
         self._lock = threading.Lock()
         self.peak_sessions = 0
 
@@ -107,40 +104,27 @@ class StoreExecutors:
         with self._lock:
             self._busy[key] -= 1
 
-    def _warm_pool(self, key: tuple, layers: InstanceLayers, interpreter: tuple[str, ...],
-                   program: tuple[str, bytes], env: dict[str, str], memory_mb: int | None,
-                   runs: int) -> WarmPool | None:
-        pool_key = key, interpreter, program, tuple(sorted(env.items())), memory_mb
+    def _warm_pools(self, key: tuple, layers: InstanceLayers) -> WarmPools:
         with self._lock:
-            pool = self._warm.get(pool_key)
-            self._warm_asked[pool_key] += 1
-            if pool is None and runs < 2 and self._warm_asked[pool_key] < 2:
-                return None  # a zygote costs a fresh interpreter's start: it pays from its second run
-            if pool is None:
-                session = self._warm_sessions.get(key)
-                if session is None:
-                    try:
-                        session = open_session(layers, backend=self.backend, layers_at=LAYERS_AT)
-                    except RunnerError:  # a backend without warm interpreters: runs go the ordinary way
-                        return None
-                    self._warm_sessions[key] = session
-                pool = self._warm[pool_key] = WarmPool(session, layers, interpreter, program, env, memory_mb)
-            self._warm.move_to_end(pool_key)
+            pools = self._warm.get(key)
+            if pools is None:
+                pools = self._warm[key] = WarmPools(layers, partial(open_session, layers, backend=self.backend,
+                                                                    layers_at=LAYERS_AT))
+            self._warm.move_to_end(key)
             surplus = max(0, len(self._warm) - self.max_sessions)
-            for idle_key in [k for k, p in self._warm.items() if not p.busy][:surplus]:
-                self._warm.pop(idle_key).close()
-                if not any(k[0] == idle_key[0] for k in self._warm):
-                    self._warm_sessions.pop(idle_key[0]).close()
-            return pool
+            idle = [k for k, p in list(self._warm.items())[:-1] if not p.busy][:surplus]  # least recently used first
+            evicted = [self._warm.pop(k) for k in idle]
+        for gone in evicted:
+            gone.close()
+        return pools
 
     def close(self) -> None:
         with self._lock:
-            for pool in self._warm.values():
-                pool.close()
-            for session in [*self._warm_sessions.values(), *self._sessions.values()]:
+            for pools in self._warm.values():
+                pools.close()
+            for session in self._sessions.values():
                 session.close()
             self._warm.clear()
-            self._warm_sessions.clear()
             self._sessions.clear()
 
     def __enter__(self) -> StoreExecutors:
@@ -169,11 +153,12 @@ class _InstanceExecutor:
         with self._session() as session:
             return session.stream(request, stdin, stdout, stderr)
 
-    def warm(self, interpreter: tuple[str, ...], program: tuple[str, bytes], env: dict[str, str],
+    def warm(self, interpreter: tuple[str, ...], program: tuple[str, bytes] | None, env: dict[str, str],
              memory_mb: int | None, runs: int) -> WarmPool | None:
-        """Warm interpreters for this instance's runs of `*interpreter program` (runtime/warm.py), or
-        None where the backend has none or where `runs` (the caller's, now) would not pay for one."""
-        return self._pool._warm_pool(self._key, self._layers, interpreter, program, env, memory_mb, runs)
+        """Warm interpreters for this instance's runs of `*interpreter program` (None: of any script;
+        runtime/warm.py), or None where the backend has none or where `runs` (the caller's, now) would
+        not pay for one."""
+        return self._pool._warm_pools(self._key, self._layers).pool(interpreter, program, env, memory_mb, runs)
 
     @contextmanager
     def _session(self) -> Iterator[Session]:

@@ -37,6 +37,7 @@ from dataclasses import replace
 from decimal import Decimal, InvalidOperation
 
 from image_builder.runtime.execution import Executor, RunRequest
+from image_builder.runtime.warm import WarmPool, run_warm
 
 from image_builder.tasks import StdioTask
 from .options import GradeOptions
@@ -66,12 +67,16 @@ def compare_mode(task: StdioTask, options: GradeOptions) -> str:
 
 
 def grade_stdio(task: StdioTask, solution: str, executor: Executor, options: GradeOptions) -> GradeResult:
+    # Each test's run (and a checker's) a clone of a warm interpreter where the executor has them:
+    # the same fresh root and pid namespace, without the interpreter's start (runtime/warm.py).
+    warm = getattr(executor, "warm", None)
+    pool = warm((options.python,), None, dict(options.env), options.memory_mb, len(task.inputs)) if warm else None
     if task.fn_name:
         try:
             calls = [_call_case(given, expected) for given, expected in zip(task.inputs, task.outputs)]
         except ValueError as exc:
             return GradeResult(task.task_id, "stdio", TaskStatus.BAD_TASK, reason=f"call-based test: {exc}")
-        cases = [_run_call(str(i), solution, task.fn_name, args, accepted, executor, options)
+        cases = [_run_call(str(i), solution, task.fn_name, args, accepted, executor, options, pool)
                  for i, (args, accepted) in enumerate(calls)]
         return from_cases(task.task_id, "stdio", cases, "test")
     mode = compare_mode(task, options)
@@ -79,7 +84,7 @@ def grade_stdio(task: StdioTask, solution: str, executor: Executor, options: Gra
         return GradeResult(task.task_id, "stdio", TaskStatus.BAD_TASK, reason="the task has no checker",
                            compare=mode)
     judge = _Judge(mode, task.tolerance if task.tolerance is not None else DEFAULT_TOLERANCE, task.checker)
-    cases = [_run_stdin(str(i), solution, given, expected, executor, options, judge)
+    cases = [_run_stdin(str(i), solution, given, expected, executor, options, judge, pool)
              for i, (given, expected) in enumerate(zip(task.inputs, task.outputs))]
     result = from_cases(task.task_id, "stdio", cases, "test")
     return replace(result, compare=mode)
@@ -193,15 +198,16 @@ class _Judge:
         self.mode, self.tolerance, self.checker = mode, tolerance, checker
 
     def __call__(self, given: str, expected: str, actual: bytes, executor: Executor,
-                 options: GradeOptions) -> tuple[CaseStatus, str]:
+                 options: GradeOptions, pool: WarmPool | None) -> tuple[CaseStatus, str]:
         if self.mode != "checker":
             mismatch = compare_output(self.mode, actual.decode("utf-8", "replace"), expected, self.tolerance)
             return (CaseStatus.PASSED, "") if mismatch is None else (CaseStatus.FAILED, mismatch)
         files = {CHECKER_FILE: self.checker.encode(), INPUT_FILE: given.encode(), EXPECTED_FILE: expected.encode(),
                  ACTUAL_FILE: actual}
-        result = executor.run(RunRequest(argv=(options.python, CHECKER_FILE, INPUT_FILE, EXPECTED_FILE, ACTUAL_FILE),
-                                         files=files, env=dict(options.env), timeout=options.stdio_timeout,
-                                         memory_mb=options.memory_mb, max_output=options.max_output))
+        result = run_warm(pool, executor, RunRequest(
+            argv=(options.python, CHECKER_FILE, INPUT_FILE, EXPECTED_FILE, ACTUAL_FILE), files=files,
+            env=dict(options.env), timeout=options.stdio_timeout, memory_mb=options.memory_mb,
+            max_output=options.max_output))
         failure = process_failure(result)
         if failure:
             return CaseStatus.ERROR, f"checker: {failure[1]}"
@@ -212,11 +218,11 @@ class _Judge:
 
 
 def _run_stdin(name: str, solution: str, given: str, expected: str, executor: Executor,
-               options: GradeOptions, judge: _Judge) -> CaseResult:
-    result = executor.run(RunRequest(argv=(options.python, SOLUTION_FILE), stdin=given.encode(),
-                                     files={SOLUTION_FILE: solution.encode()}, env=dict(options.env),
-                                     timeout=options.stdio_timeout, memory_mb=options.memory_mb,
-                                     max_output=options.max_output))
+               options: GradeOptions, judge: _Judge, pool: WarmPool | None) -> CaseResult:
+    result = run_warm(pool, executor, RunRequest(argv=(options.python, SOLUTION_FILE), stdin=given.encode(),
+                                                 files={SOLUTION_FILE: solution.encode()}, env=dict(options.env),
+                                                 timeout=options.stdio_timeout, memory_mb=options.memory_mb,
+                                                 max_output=options.max_output))
     stderr = result.stderr.decode("utf-8", "replace")
     failure = process_failure(result)
     if failure:
@@ -226,7 +232,7 @@ def _run_stdin(name: str, solution: str, given: str, expected: str, executor: Ex
     elif result.truncated:
         status, reason = CaseStatus.FAILED, "output went over the limit"
     else:  # the expected output is not in the candidate's request: only the judge (a checker's run) sees it
-        status, reason = judge(given, expected, result.stdout, executor, options)
+        status, reason = judge(given, expected, result.stdout, executor, options, pool)
     return CaseResult(name, status, reason, tail(stderr), result.wall_time)
 
 
@@ -246,10 +252,10 @@ def _call_case(given: object, expected: object) -> tuple[list, list]:
 
 
 def _run_call(name: str, solution: str, fn_name: str, args: list, accepted: list, executor: Executor,
-              options: GradeOptions) -> CaseResult:
+              options: GradeOptions, pool: WarmPool | None) -> CaseResult:
     files = {SOLUTION_FILE: solution, CALL_FILE: json.dumps({"fn_name": fn_name, "args": args})}
     request, nonce = harness_request(("call", SOLUTION_FILE, CALL_FILE), files, options.stdio_timeout, options)
-    result = executor.run(request)
+    result = run_warm(pool, executor, request)
     outcome = read_outcome(result, nonce)
     if outcome.kind == "returned":
         status, reason = _judge_return(outcome.detail, accepted)

@@ -122,11 +122,16 @@ class OutputCapped(Exception):
         self.limit = limit
 
 
+class RunCancelled(Exception):
+    """A streamed run's `cancel` descriptor became readable; the run was stopped."""
+
+
 @dataclass
 class _Relay:
     stdin: int | None  # what the run gets as stdin (see _stdin_for_run), or None: /dev/null
     stdout: int
     stderr: int
+    cancel: int | None = None  # readable: stop the run (RunCancelled)
     used: bool = False  # collect() passed the output on (a backend may answer without running anything)
 
 
@@ -249,6 +254,8 @@ def collect(out_r: int, err_r: int, max_output: int, deadline: float | None,
     poller = select.poll()
     for fd in (out_r, err_r) + ((conn.fileno(),) if conn else ()):
         poller.register(fd, select.POLLIN)
+    if relay and relay.cancel is not None:
+        poller.register(relay.cancel, select.POLLIN)
     pending = len(bufs) + (1 if conn else 0)
     replied = False
     while pending:
@@ -266,6 +273,8 @@ def collect(out_r: int, err_r: int, max_output: int, deadline: float | None,
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError
         for fd, _ in events:
+            if relay and fd == relay.cancel:
+                raise RunCancelled
             if conn is not None and fd == conn.fileno():
                 try:
                     reply = recv_fds(conn, 0)[0]
@@ -330,18 +339,21 @@ class Session:
     def run(self, request: RunRequest) -> RunResult:
         raise NotImplementedError
 
-    def stream(self, request: RunRequest, stdin: int | None = None, stdout: int = 1, stderr: int = 2) -> RunResult:
+    def stream(self, request: RunRequest, stdin: int | None = None, stdout: int = 1, stderr: int = 2,
+               cancel: int | None = None) -> RunResult:
         """run(), with the output passed on to the descriptors `stdout` and `stderr` as it
         comes instead of kept (a command line's way: memory stays flat whatever the run
         prints). Past request.max_output bytes of either (0: no limit) the run is stopped
-        and OutputCapped raised. `stdin` (without request.stdin): a descriptor to read
-        the input from as the run does (see _stdin_for_run for what the run is given
-        of it). The result's stdout is empty and its stderr the last 4 KiB. Output
-        descriptors that stop taking data (EPIPE) end the run with BrokenPipeError."""
+        and OutputCapped raised; when the descriptor `cancel` becomes readable, likewise
+        with RunCancelled (how warm.py stops a zygote that no longer answers). `stdin`
+        (without request.stdin): a descriptor to read the input from as the run does (see
+        _stdin_for_run for what the run is given of it). The result's stdout is empty and
+        its stderr the last 4 KiB. Output descriptors that stop taking data (EPIPE) end
+        the run with BrokenPipeError."""
         if request.stdin is not None:
             stdin = None
         given, release = _stdin_for_run(stdin)
-        relay = _streaming.relay = _Relay(given, stdout, stderr)
+        relay = _streaming.relay = _Relay(given, stdout, stderr, cancel)
         try:
             result = self.run(request)
         finally:

@@ -1,5 +1,8 @@
 """Warm interpreters: runs of `python PROGRAM ARGS...` that do not pay for the interpreter's start.
 
+A pool is for one PROGRAM, compiled once in the zygote (a grader's own file), or for any: each job's
+program is the script its argv names, compiled in the job (a candidate's solution, a served request).
+
 A zygote (zygote.py: what it shares with its jobs, and why a job cannot carry state to the next)
 is an ordinary run of the instance, with the instance's layers bound read-only inside; each job
 is a clone of it in a root, pid, mount, ipc and user namespace of its own, built on those layers.
@@ -25,11 +28,14 @@ import socket
 import struct
 import threading
 import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
 from importlib import resources
 
-from .execution import RunRequest, RunResult
+from .execution import Executor, RunRequest, RunResult
 from .holder import memfd_with
-from .session import InstanceLayers, Session
+from .mounts import RunnerError
+from .session import Captured, InstanceLayers, Session, build_result, collect
 
 LAYERS_AT = "/.image-builder-layers"
 ZYGOTE_FILE = "/tmp/.ib-zygote/zygote.py"
@@ -39,6 +45,7 @@ GRACE = 5.0  # seconds past a job's timeout for the zygote's answer
 ZYGOTE_HEADROOM_MB = 64  # the zygote's run holds the job and the zygote: its memory limit is the job's and this
 DEFAULT_SCRATCH_MB = 4096  # as native/init.c: the three tmpfs together, for a job without a memory limit
 SCRATCH_PART = (2, 4, 4)
+MAX_POOLS = 8  # an instance's pools kept (by program, environment, memory limit: a server's clients choose them)
 
 
 class WarmUnavailable(Exception):
@@ -53,28 +60,33 @@ def scratch_kb(memory_mb: int | None) -> list[int]:
 
 
 class Zygote:
-    """One zygote in `session`, serving runs of `*interpreter program` with `env`, one at a time."""
+    """One zygote in `session`, serving runs of `*interpreter program` (None: of any script) with `env`,
+    one at a time."""
 
-    def __init__(self, session: Session, interpreter: tuple[str, ...], program: tuple[str, bytes],
+    def __init__(self, session: Session, interpreter: tuple[str, ...], program: tuple[str, bytes] | None,
                  env: dict[str, str], memory_mb: int | None):
         self.session, self.program = session, program
         self.dead = ""
         self._ctl, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        # Written to stop the zygote's run: a job can stop the zygote (SIGSTOP through the zygote's /proc,
+        # kernel backend), and a stopped one neither answers nor leaves; its run's init kills it.
+        self._cancel_r, self._cancel_w = os.pipe2(os.O_CLOEXEC)
         self._err = b""
         self.interpreter = interpreter
-        request = RunRequest(argv=(*interpreter, ZYGOTE_FILE, LAYERS_AT, program[0]),
-                             files={ZYGOTE_FILE: ZYGOTE, program[0]: program[1]}, env=env,
+        request = RunRequest(argv=(*interpreter, ZYGOTE_FILE, LAYERS_AT, *(program[:1] if program else ())),
+                             files={ZYGOTE_FILE: ZYGOTE, **dict([program] if program else [])}, env=env,
                              memory_mb=memory_mb + ZYGOTE_HEADROOM_MB if memory_mb else None, max_output=0)
 
         def run() -> None:
             try:
-                session.stream(request, stdin=theirs.fileno(), stdout=err_w, stderr=err_w)
+                session.stream(request, stdin=theirs.fileno(), stdout=err_w, stderr=err_w, cancel=self._cancel_r)
             except BaseException as exc:  # noqa: BLE001 - told as the zygote's death
                 self.dead = f"{type(exc).__name__}: {exc}"
             finally:
                 theirs.close()
                 os.close(err_w)
+                os.close(self._cancel_r)
                 self.dead = self.dead or "it exited"
                 try:
                     self._ctl.shutdown(socket.SHUT_RDWR)  # wakes a job waiting for an answer
@@ -99,7 +111,8 @@ class Zygote:
             raise WarmUnavailable(self._why())
         files = b"".join(struct.pack("<I", len(p.encode())) + p.encode() + struct.pack("<Q", len(d)) + d
                          for p, d in request.placed_files(workdir).items())
-        job = {"argv": list(request.argv[len(self.interpreter) + 1:]), "workdir": request.workdir or workdir,
+        job = {"argv": list(request.argv[len(self.interpreter) + 1:]), "program": request.argv[len(self.interpreter)],
+               "workdir": request.workdir or workdir,
                "timeout": request.timeout, "memory_mb": request.memory_mb,
                "max_processes": self.session.max_processes, "scratch_kb": scratch_kb(request.memory_mb)}
         given = []
@@ -118,10 +131,11 @@ class Zygote:
         wait = (request.timeout or 24 * 3600) + GRACE
         answer = self._answer(wait)
         wall = time.monotonic() - t0
-        if answer is None:  # the zygote went away with the job in it (its job may signal it: zygote.py)
+        if answer is None:  # the zygote went away, or is still taking the job down (a fork bomb's)
             self.dead = self.dead or "it gave no answer"
-            self.close()
-            return RunResult(None, signal.SIGKILL, False, False, wall, None, b"", b"")
+            self.close(stop=True)
+            timed_out = request.timeout is not None and wall >= request.timeout
+            return RunResult(None, signal.SIGKILL, timed_out, False, wall, None, b"", b"")
         if "error" in answer:
             self.dead = str(answer["error"])
             self.close()
@@ -164,23 +178,30 @@ class Zygote:
         said = self._err.decode("utf-8", "replace").strip().splitlines()
         return f"{self.dead}" + (f" ({said[-1].strip()[:200]})" if said else "")
 
-    def close(self) -> None:
+    def close(self, stop: bool = False) -> None:
+        """EOF on its control socket: the zygote leaves; one that does not (`stop`, or not within
+        GRACE) is killed with its run."""
         try:
-            self._ctl.shutdown(socket.SHUT_RDWR)  # EOF: the zygote leaves
+            self._ctl.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        if not self.dead:  # a zygote stopped by its job's signal leaves with its session
+        if not stop:
             self._thread.join(GRACE)
-        if self._err_r >= 0:
-            os.close(self._err_r)
-            self._err_r = -1
+        if self._thread.is_alive() and self._cancel_w >= 0:
+            os.write(self._cancel_w, b"x")
+        self._thread.join()
+        for fd in (self._err_r, self._cancel_w):
+            if fd >= 0:
+                os.close(fd)
+        self._err_r = self._cancel_w = -1
 
 
 class WarmPool:
-    """Zygotes for one instance's runs of one program (kept idle between jobs, one per job in flight)."""
+    """Zygotes for one instance's runs of one program, or of any script (program None), kept idle
+    between jobs, one per job in flight."""
 
     def __init__(self, session: Session, layers: InstanceLayers, interpreter: tuple[str, ...],
-                 program: tuple[str, bytes], env: dict[str, str], memory_mb: int | None):
+                 program: tuple[str, bytes] | None, env: dict[str, str], memory_mb: int | None):
         self.session, self.layers = session, layers
         self._args = interpreter, program, env, memory_mb
         self._idle: list[Zygote] = []
@@ -189,8 +210,7 @@ class WarmPool:
         self.failed = ""  # why zygotes cannot run here: then every job goes the ordinary way
 
     def stream(self, request: RunRequest, stdin: int | None = None, stdout: int = 1, stderr: int = 2) -> RunResult:
-        interpreter, program = self._args[:2]
-        if self.failed or request.argv[:len(interpreter) + 1] != (*interpreter, program[0]) or request.network:
+        if self.failed or not self.takes(request):
             raise WarmUnavailable(self.failed or "not a run of the warm program")
         with self._lock:
             zygote = self._idle.pop() if self._idle else None
@@ -210,8 +230,123 @@ class WarmPool:
                     self._idle.append(zygote)
         return result
 
+    def takes(self, request: RunRequest) -> bool:
+        interpreter, program = self._args[:2]
+        script = request.argv[len(interpreter):len(interpreter) + 1]
+        if request.network or request.argv[:len(interpreter)] != interpreter or not script:
+            return False
+        return script[0] == program[0] if program else not script[0].startswith("-")
+
+    def run(self, request: RunRequest) -> RunResult:
+        """As Session.run: the output kept (max_output of each stream), the input a regular file."""
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        got, failed = Captured(), []
+
+        def drain() -> None:
+            try:
+                got.__dict__.update(collect(out_r, err_r, request.max_output, None).__dict__)
+            except BaseException as exc:  # noqa: BLE001 - raised again below
+                failed.append(exc)
+
+        reader = threading.Thread(target=drain, name="image-builder-warm-output", daemon=True)
+        reader.start()
+        try:
+            result = self.stream(request, None, out_w, err_w)
+        finally:
+            os.close(out_w)
+            os.close(err_w)
+            reader.join()  # the job's processes are gone with its pid 1: the pipes are at their end
+            os.close(out_r)
+            os.close(err_r)
+        if failed:
+            raise failed[0]
+        return build_result(got, request, result.wall_time, result.exit_code, result.signal, result.timed_out,
+                            result.peak_memory_kb, None)
+
     def close(self) -> None:
         with self._lock:
             idle, self._idle = self._idle, []
         for zygote in idle:
             zygote.close()
+
+
+class WarmPools:
+    """One instance's warm pools, by interpreter, program, environment and memory limit, on a session
+    that shows the layers inside (`open_warm_session`, called when the first pool is made)."""
+
+    def __init__(self, layers: InstanceLayers, open_warm_session: Callable[[], Session]):
+        self.layers, self._open = layers, open_warm_session
+        self._session: Session | None = None
+        self.pools: OrderedDict[tuple, WarmPool] = OrderedDict()  # least recently used first
+        self._asked: Counter[tuple] = Counter()
+        self._unavailable = False  # the backend has no warm interpreters, or these pools were closed
+        self._lock = threading.Lock()
+
+    def pool(self, interpreter: tuple[str, ...], program: tuple[str, bytes] | None, env: dict[str, str],
+             memory_mb: int | None, runs: int) -> WarmPool | None:
+        """The pool for these runs, or None where the backend has none or where `runs` (the caller's,
+        now) would not pay for one: a zygote costs a fresh interpreter's start, so it pays from its
+        second run."""
+        key = interpreter, program, tuple(sorted(env.items())), memory_mb
+        with self._lock:
+            pool = self.pools.get(key)
+            self._asked[key] += 1
+            if pool is None and (self._unavailable or (runs < 2 and self._asked[key] < 2)):
+                return None
+            if pool is None:
+                if self._session is None:
+                    try:
+                        self._session = self._open()
+                    except RunnerError:  # apptainer, extract: runs go the ordinary way
+                        self._unavailable = True
+                        return None
+                pool = self.pools[key] = WarmPool(self._session, self.layers, interpreter, program, env, memory_mb)
+            self.pools.move_to_end(key)
+            surplus = max(0, len(self.pools) - MAX_POOLS)
+            idle = [k for k, p in list(self.pools.items())[:-1] if not p.busy][:surplus]  # least recently used first
+            evicted = [self.pools.pop(k) for k in idle]
+        for gone in evicted:
+            gone.close()
+        return pool
+
+    @property
+    def busy(self) -> bool:
+        return any(pool.busy for pool in self.pools.values())
+
+    def close(self) -> None:
+        with self._lock:
+            pools, self.pools = list(self.pools.values()), OrderedDict()
+            session, self._session = self._session, None
+            self._unavailable = True
+        for pool in pools:
+            pool.close()
+        if session is not None:
+            session.close()
+
+
+class WarmExecutor:
+    """An Executor whose runs go through warm pools where they can (`warm`, as graders ask for them)."""
+
+    def __init__(self, executor: Executor, pools: WarmPools):
+        self.executor, self.pools = executor, pools
+
+    def run(self, request: RunRequest) -> RunResult:
+        return self.executor.run(request)
+
+    def stream(self, request: RunRequest, stdin: int | None = None, stdout: int = 1, stderr: int = 2) -> RunResult:
+        return self.executor.stream(request, stdin, stdout, stderr)
+
+    def warm(self, interpreter: tuple[str, ...], program: tuple[str, bytes] | None, env: dict[str, str],
+             memory_mb: int | None, runs: int) -> WarmPool | None:
+        return self.pools.pool(interpreter, program, env, memory_mb, runs)
+
+
+def run_warm(pool: WarmPool | None, executor: Executor, request: RunRequest) -> RunResult:
+    """`request` through `pool` where it takes it, else (no pool, or none of it could run) by `executor`."""
+    if pool is not None and pool.takes(request):
+        try:
+            return pool.run(request)
+        except WarmUnavailable:
+            pass  # nothing of it ran
+    return executor.run(request)

@@ -1,13 +1,14 @@
 """A warm interpreter for many runs of one Python program, each in a root of its own (runtime/warm.py
 starts it and hands it the runs).
 
-Shipped into a run and started there as `python3 zygote.py LAYERS PROGRAM`; it imports nothing of
+Shipped into a run and started there as `python3 zygote.py LAYERS [PROGRAM]`; it imports nothing of
 image_builder and keeps to syntax Python 3.6 parses (it refuses to serve before 3.7, which lacks
 PyOS_AfterFork_Child). It is a run like any other (a fresh root over the instance's layers, its own
 pid, mount, ipc and network namespaces, root of a user namespace that owns nothing of the host),
-and the instance's layers are bound read-only at LAYERS. It compiles PROGRAM and runs its imports'
-worth of start-up once; then, per job, it clones itself into a new pid namespace, and the clone
-(pid 1 there):
+and the instance's layers are bound read-only at LAYERS. It compiles PROGRAM (without one, each
+job names its own, compiled in the job as `python3 FILE` would: the interpreter's start is what is
+saved) and runs its imports' worth of start-up once; then, per job, it clones itself into a new pid
+namespace, and the clone (pid 1 there):
   - makes a new mount and ipc namespace, a tmpfs, and a new overlay root of LAYERS under it (so a
     fresh writable layer, /tmp and /dev/shm), /proc of its pid namespace (the zygote's /proc where a
     new one may not be mounted: the kernel backend masks /proc, and a masked one cannot be
@@ -15,7 +16,9 @@ worth of start-up once; then, per job, it clones itself into a new pid namespace
   - drops into a nested user namespace that owns none of that (the mounts and /proc masks stay put);
   - forks the job's process (pid 2, as a command under an init), which reads the job's files from
     the job's descriptor (never the zygote: its memory holds no job's data, so no clone of it does),
-    writes them, takes the job's stdio and limits and runs PROGRAM as __main__ with the job's argv.
+    writes them, takes the job's stdio and limits and runs PROGRAM as __main__ with the job's argv
+    (as the interpreter would: an absolute __file__, sys.path[0] its folder, an uncaught exception
+    through sys.excepthook without this file's frames, SystemExit's status).
   The clone answers the exit status and peak memory, then exits: being pid 1, it takes every other
   process of the job with it, before the zygote starts the next.
 
@@ -25,15 +28,18 @@ back: what a job changes in memory dies with it. Files: the layers, read-only; e
 system is the job's own. Processes: none survive a job. IPC: a namespace per job. The network
 namespace is the zygote's (isolated; no process of a job outlives it, so neither does a socket).
 What a job can see of the zygote: with the zygote's /proc (kernel backend), its processes (not their
-memory, files or environment: the zygote and the job's pid 1 are not dumpable), which it may signal;
-that can only fail its own run. The evaluator's zygote is another run, in another pid namespace.
+memory, files or environment: the zygote and the job's pid 1 are not dumpable), which it cannot
+signal (they have no pid in its namespace, and pidfd_send_signal refuses a process outside it:
+EINVAL); its own pid 1 ignores its signals, as a namespace's init does. A zygote that stops
+answering all the same is killed with its run (warm.py). The evaluator's zygote is another run, in
+another pid namespace.
 
 Control protocol, on descriptor 0 (a SOCK_SEQPACKET socket; descriptors with SCM_RIGHTS):
   <- {"ready": true} once, when it takes jobs
-  -> {"argv": [...] (after PROGRAM), "workdir": str, "timeout": s|null, "memory_mb": n|null,
-      "max_processes": n, "scratch_kb": [layer, tmp, shm] (each tmpfs's share of the memory: init.c's
-      scratch_sizes)} + stdin, stdout, stderr, the job's files (u32 path length, path, u64 size, bytes;
-      paths absolute)
+  -> {"argv": [...] (after PROGRAM), "program": path (the job's, without PROGRAM), "workdir": str,
+      "timeout": s|null, "memory_mb": n|null, "max_processes": n, "scratch_kb": [layer, tmp, shm]
+      (each tmpfs's share of the memory: init.c's scratch_sizes)} + stdin, stdout, stderr, the
+      job's files (u32 path length, path, u64 size, bytes; paths absolute)
   <- {"exit_code": n|null, "signal": n|null, "timed_out": b, "peak_memory_kb": n} or {"error": text}
      (an error: the job did not start, nothing of it ran; warm.py then runs it the ordinary way)
 """
@@ -157,22 +163,37 @@ def job_process(job, fds, code, program):
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     signal.signal(signal.SIGINT, signal.default_int_handler)
     prctl(PR_SET_DUMPABLE, 1)
-    sys.argv = [program] + job["argv"]
-    sys.path[0] = os.path.dirname(program)
-    module = type(sys)("__main__")
-    module.__file__ = program
-    module.__builtins__ = __builtins__
-    sys.modules["__main__"] = module
+    given = program if code is not None else job["program"]
+    path = os.path.abspath(given)
+    sys.argv = [given] + job["argv"]
+    sys.path[0] = os.path.dirname(path)
     status = 0
     try:
+        if code is None:  # the job's own program: read and compiled here, under its limits
+            try:
+                with open(path, "rb") as f:
+                    code = compile(f.read(), path, "exec", dont_inherit=True)
+            except OSError as e:
+                sys.stderr.write("%s: can't open file %r: [Errno %d] %s\n"
+                                 % (sys.executable or "python3", given, e.errno, e.strerror))
+                os._exit(2)
+        module = type(sys)("__main__")
+        module.__file__ = path
+        module.__builtins__ = __builtins__
+        sys.modules["__main__"] = module
         exec(code, module.__dict__)
     except SystemExit as e:
         status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if not isinstance(e.code, int) and e.code is not None:
             print(e.code, file=sys.stderr)
     except BaseException:
-        import traceback
-        traceback.print_exc()
+        kind, value, tb = sys.exc_info()
+        while tb is not None and tb.tb_frame.f_code.co_filename == job_process.__code__.co_filename:
+            tb = tb.tb_next  # the interpreter's own report starts at the program's frame
+        try:
+            sys.excepthook(kind, value.with_traceback(tb), tb)  # the default hook prints value's own
+        except BaseException:
+            pass
         status = 1
     try:
         import atexit
@@ -232,8 +253,10 @@ def job_root(job, fds, status_w, layers, code, program):
 
 
 def serve(layers, program):
-    with open(program, "rb") as f:
-        code = compile(f.read(), program, "exec", dont_inherit=True)
+    code = None
+    if program is not None:
+        with open(program, "rb") as f:
+            code = compile(f.read(), program, "exec", dont_inherit=True)
     prctl(PR_SET_DUMPABLE, 0)
     ctl = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET, 0, os.dup(0))
     null = os.open(os.devnull, os.O_RDWR)
@@ -251,12 +274,14 @@ def serve(layers, program):
                 fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
         if not msg:
             return
-        ctl.sendall(json.dumps(run_job(json.loads(msg.decode()), list(fds), layers, code, program)).encode())
+        answer = run_job(json.loads(msg.decode()), list(fds), layers, code, program)
         for fd in fds:
             os.close(fd)
+        ctl.sendall(json.dumps(answer).encode())
 
 
 def run_job(job, fds, layers, code, program):
+    """The job's answer, once every process of it is gone (a fork bomb's take a second or more)."""
     if len(fds) != 4:
         return {"error": "a job comes with 4 descriptors, not %d" % len(fds)}
     status_r, status_w = os.pipe()
@@ -272,19 +297,15 @@ def run_job(job, fds, layers, code, program):
         os.close(status_r)
         job_root(job, fds, status_w, layers, code, program)
     os.close(status_w)
-    timeout = job["timeout"]
-    ready, _, _ = select.select([status_r], [], [], timeout)
+    ready, _, _ = select.select([status_r], [], [], job["timeout"])
     answer = os.read(status_r, 1 << 16) if ready else b""
-    timed_out = not ready
-    if timed_out or not answer:
-        os.kill(pid, signal.SIGKILL)  # pid 1 of the job's namespace: the whole job
     os.close(status_r)
+    if not answer:  # timed out, or its pid 1 was killed from inside
+        os.kill(pid, signal.SIGKILL)  # pid 1 of the job's namespace: the whole job
     os.waitpid(pid, 0)
-    if timed_out:
-        return {"exit_code": None, "signal": signal.SIGKILL, "timed_out": True, "peak_memory_kb": None}
-    if not answer:  # the job's pid 1 was killed (from inside: a signal to the zygote's /proc)
-        return {"exit_code": None, "signal": signal.SIGKILL, "timed_out": False, "peak_memory_kb": None}
-    return json.loads(answer.decode())
+    if answer:
+        return json.loads(answer.decode())
+    return {"exit_code": None, "signal": signal.SIGKILL, "timed_out": not ready, "peak_memory_kb": None}
 
 
 if __name__ == "__main__":
@@ -292,4 +313,4 @@ if __name__ == "__main__":
             or not hasattr(ctypes.pythonapi, "PyOS_AfterFork_Child")):
         sys.stderr.write("zygote: needs CPython 3.7 or later on x86_64 or aarch64\n")
         sys.exit(3)
-    serve(sys.argv[1], sys.argv[2])
+    serve(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)
