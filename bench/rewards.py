@@ -78,7 +78,8 @@ def main() -> Report:
             report.rows.append(Row(f"{len(batch)} MBPP rows, {name}: rows per second", len(batch) / took,
                                    f"bare python3 on the host, {WORKERS} at a time", limit, "report", "rows/s"))
         report.notes.append("rows: the 40 sample rows twice (reference solution, a wrong answer); each row is an "
-                            "evaluator run and a candidate run per assert (3 asserts a row) in fresh roots")
+                            "evaluator run and a candidate run per assert (3 asserts a row), each in a fresh root, "
+                            "cloned from the instance's warm interpreters (runtime/warm.py)")
     return report
 
 
