@@ -129,6 +129,25 @@ for pid in filter(str.isdigit, os.listdir("/proc")):
     assert job(pool, "print('served')")[:2] == (0, "served\n")
 
 
+def test_a_host_file_given_as_stdin_reaches_a_job_only_as_a_copy(pool, tmp_path):
+    """As Session.stream: a regular file is copied, so the job cannot reopen it for writing."""
+    host_file = tmp_path / "input"
+    host_file.write_text("precious\n")
+    fd = os.open(host_file, os.O_RDWR)
+    out_r, out_w = os.pipe()
+    try:
+        script = ("import os\ntry:\n    open('/proc/self/fd/0', 'w').write('x')\nexcept OSError as e:\n    print(e)\n"
+                  "print(os.fstat(0).st_size)")
+        result = pool.stream(RunRequest(argv=("python3", PROGRAM[0], SCRIPT), files={SCRIPT: script.encode()},
+                                        timeout=20, memory_mb=256), fd, out_w, out_w)
+    finally:
+        os.close(fd)
+        os.close(out_w)
+    with os.fdopen(out_r) as f:
+        assert result.exit_code == 0, f.read()
+    assert host_file.read_text() == "precious\n"
+
+
 def test_a_job_cannot_stop_its_zygote(pool):
     """The zygote's /proc (kernel backend) shows the zygote, but a signal to it from the job's pid
     namespace, a descendant of the zygote's, is refused (EINVAL; kill() has no pid for it)."""

@@ -35,7 +35,7 @@ from importlib import resources
 from .execution import Executor, RunRequest, RunResult
 from .holder import memfd_with
 from .mounts import RunnerError
-from .session import Captured, InstanceLayers, Session, build_result, collect
+from .session import Captured, InstanceLayers, Session, _stdin_for_run, build_result, collect
 
 LAYERS_AT = "/.image-builder-layers"
 ZYGOTE_FILE = "/tmp/.ib-zygote/zygote.py"
@@ -69,8 +69,8 @@ class Zygote:
         self.dead = ""
         self._ctl, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._err_r, err_w = os.pipe2(os.O_CLOEXEC)
-        # Written to stop the zygote's run: a job can stop the zygote (SIGSTOP through the zygote's /proc,
-        # kernel backend), and a stopped one neither answers nor leaves; its run's init kills it.
+        # Written to stop the zygote's run: one that no longer answers (no job can signal it, zygote.py;
+        # a fault or a starved machine might) would hold the job's output pipes; its run's init kills it.
         self._cancel_r, self._cancel_w = os.pipe2(os.O_CLOEXEC)
         self._err = b""
         self.interpreter = interpreter
@@ -116,20 +116,24 @@ class Zygote:
                "timeout": request.timeout, "memory_mb": request.memory_mb,
                "max_processes": self.session.max_processes, "scratch_kb": scratch_kb(request.memory_mb)}
         given = []
+        # What a run may have of the caller's stdin, as Session.stream gives it (never a host file or terminal).
+        shown, release = _stdin_for_run(stdin if request.stdin is None else None)
         try:
-            given.append(memfd_with(request.stdin) if request.stdin is not None else
-                         os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC) if stdin is None else os.dup(stdin))
-            given.append(memfd_with(files))
-            t0 = time.monotonic()
-            self._ctl.sendmsg([json.dumps(job).encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                                             array.array("i", [given[0], stdout, stderr, given[1]]))])
-        except OSError as e:
-            raise WarmUnavailable(f"the zygote took no job: {e}") from None
+            try:
+                given.append(memfd_with(request.stdin) if request.stdin is not None else
+                             os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC) if shown is None else os.dup(shown))
+                given.append(memfd_with(files))
+                t0 = time.monotonic()
+                self._ctl.sendmsg([json.dumps(job).encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array(
+                    "i", [given[0], stdout, stderr, given[1]]))])
+            except OSError as e:
+                raise WarmUnavailable(f"the zygote took no job: {e}") from None
+            finally:
+                for fd in given:
+                    os.close(fd)
+            answer = self._answer((request.timeout or 24 * 3600) + GRACE)
         finally:
-            for fd in given:
-                os.close(fd)
-        wait = (request.timeout or 24 * 3600) + GRACE
-        answer = self._answer(wait)
+            release()
         wall = time.monotonic() - t0
         if answer is None:  # the zygote went away, or is still taking the job down (a fork bomb's)
             self.dead = self.dead or "it gave no answer"
