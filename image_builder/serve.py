@@ -187,8 +187,10 @@ def _fetch_script(argv: tuple[str, ...], fetch: tuple[str, ...], nonce: str, tim
     else:
         # A background list's stdin is /dev/null unless given: fd 3 hands the run's stdin on. setsid in a
         # process that leads no group execs in place, so $! is the code's process group (and the timer's).
+        # The timer marks the timeout before it kills: the wrapper's `wait` returns at the kill, and a mark
+        # written after it was missed under load (a killed run read as Finished, exit 137).
         lines += ["exec 3<&0", f"setsid {code} <&3 3<&- &", "p=$!",
-                  f"setsid sh -c 'sleep \"$1\" && kill -KILL -\"$2\" && : > \"$3/tle\"' timer {timeout:.3f} "
+                  f"setsid sh -c 'sleep \"$1\" && : > \"$3/tle\" && kill -KILL -\"$2\"' timer {timeout:.3f} "
                   '"$p" "$G" </dev/null >/dev/null 2>&1 &', "t=$!",
                   "wait $p", "rc=$?", "kill -KILL -$t 2>/dev/null"]
     lines += ["printf '\\n@@ %s files\\n' \"$N\" >&2", 'if [ -e "$G/tle" ]; then echo tle >&2; fi']

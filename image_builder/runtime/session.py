@@ -128,7 +128,7 @@ class RunCancelled(Exception):
 
 @dataclass
 class _Relay:
-    stdin: int | None  # what the run gets as stdin (see _stdin_for_run), or None: /dev/null
+    stdin: int | None  # what the run gets as stdin (see stdin_for_run), or None: /dev/null
     stdout: int
     stderr: int
     cancel: int | None = None  # readable: stop the run (RunCancelled)
@@ -163,7 +163,7 @@ def _own_socketpair(fd: int) -> bool:
         sock.close()
 
 
-def _stdin_for_run(fd: int | None) -> tuple[int | None, object]:
+def stdin_for_run(fd: int | None) -> tuple[int | None, object]:
     """What a streamed run may be given of this process's `fd` as its stdin, and what to
     call when it is over. Never the host's own file or device: a regular file could be
     reopened for writing through /proc/self/fd/0 from inside, a terminal takes TIOCSTI
@@ -347,12 +347,12 @@ class Session:
         and OutputCapped raised; when the descriptor `cancel` becomes readable, likewise
         with RunCancelled (how warm.py stops a zygote that no longer answers). `stdin`
         (without request.stdin): a descriptor to read the input from as the run does (see
-        _stdin_for_run for what the run is given of it). The result's stdout is empty and
+        stdin_for_run for what the run is given of it). The result's stdout is empty and
         its stderr the last 4 KiB. Output descriptors that stop taking data (EPIPE) end
         the run with BrokenPipeError."""
         if request.stdin is not None:
             stdin = None
-        given, release = _stdin_for_run(stdin)
+        given, release = stdin_for_run(stdin)
         relay = _streaming.relay = _Relay(given, stdout, stderr, cancel)
         try:
             result = self.run(request)

@@ -35,7 +35,7 @@ from importlib import resources
 from .execution import Executor, RunRequest, RunResult
 from .holder import memfd_with
 from .mounts import RunnerError
-from .session import Captured, InstanceLayers, Session, _stdin_for_run, build_result, collect
+from .session import Captured, InstanceLayers, Session, build_result, collect, stdin_for_run
 
 LAYERS_AT = "/.image-builder-layers"
 ZYGOTE_FILE = "/tmp/.ib-zygote/zygote.py"
@@ -117,7 +117,7 @@ class Zygote:
                "max_processes": self.session.max_processes, "scratch_kb": scratch_kb(request.memory_mb)}
         given = []
         # What a run may have of the caller's stdin, as Session.stream gives it (never a host file or terminal).
-        shown, release = _stdin_for_run(stdin if request.stdin is None else None)
+        shown, release = stdin_for_run(stdin if request.stdin is None else None)
         try:
             try:
                 given.append(memfd_with(request.stdin) if request.stdin is not None else
