@@ -14,6 +14,18 @@ records with those keys, or in CodeContests's layout (`tests`: a list of
 (a mode of `graders.stdio.COMPARE_MODES`), `checker` (Python source of a
 checker, which implies `compare: checker`) and `tolerance` (float mode's).
 
+The datasets' own published rows load as they are (`raw_layout_task`):
+DeepMind's CodeContests (`public_tests`, `private_tests`, `generated_tests`,
+each `{input: [...], output: [...]}`: every test counts, as the dataset calls
+a solution correct), LiveCodeBench's code_generation (`public_test_cases`,
+`private_test_cases` as JSON or as its base64 of zlib of a pickled JSON string,
+`metadata.func_name` for call-based problems: public and private tests count,
+as its evaluator runs them) and APPS/TACO (`input_output`, a JSON string of
+`inputs`, `outputs` and maybe `fn_name`). LiveCodeBench's pickles are a hostile
+dataset's easiest way onto the host (unpickling runs what the pickle names):
+they are read by an unpickler that refuses every global, so only plain values
+come out, and decompressed to a bound.
+
 HumanEval-style records (HumanEval, ImpossibleBench's LiveCodeBench: `prompt`,
 `entry_point`, `test` holding `def check(candidate): ...`) become assert tasks:
 `check_cases` turns check's body into cases the evaluator runs with `candidate`
@@ -28,9 +40,14 @@ and memory stays bounded by the bound, however long the line.
 from __future__ import annotations
 
 import ast
+import base64
+import binascii
+import io
 import json
 import keyword
 import os
+import pickle
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,6 +247,9 @@ def task_from_record(record: Any, fallback_id: str) -> Task:
         if "ground_truth" not in reward_model:
             return BadTask(task_id, "reward_model has no ground_truth")
         return parse_ground_truth(task_id, reward_model["ground_truth"], data_source=record.get("data_source") or "")
+    raw = raw_layout_task(record, fallback_id)
+    if raw is not None:
+        return raw
     original_id = str(record.get("task_id", fallback_id))
     impossible_type = record.get("impossible_type")
     task_id = f"{original_id}__{impossible_type}" if impossible_type else original_id
@@ -255,6 +275,123 @@ def _codecontests_task(record: dict, task_id: str, original_id: str, impossible_
              **{k: record[k] for k in COMPARE_KEYS if k in record}}
     return parse_ground_truth(task_id, truth, data_source=record.get("data_source") or "codecontests",
                               impossible_type=impossible_type, original_id=original_id)
+
+
+# A dataset's own layout: the key that tells it, and the keys its task id is read from (`task_id` first).
+RAW_LAYOUTS = (("public_tests", "codecontests", ("name",)), ("public_test_cases", "livecodebench", ("question_id",)),
+               ("input_output", "apps", ("problem_id", "name")))
+
+
+def raw_layout_task(record: dict, fallback_id: str) -> Task | None:
+    """A row as CodeContests, LiveCodeBench or APPS/TACO publish it (the module docstring), else None."""
+    for key, source, id_keys in RAW_LAYOUTS:
+        if key not in record:
+            continue
+        original_id = next((str(record[k]) for k in ("task_id", *id_keys) if record.get(k) not in (None, "")),
+                           fallback_id)
+        impossible_type = record.get("impossible_type")
+        task_id = f"{original_id}__{impossible_type}" if impossible_type else original_id
+        try:
+            truth = {"codecontests": _codecontests_tests, "livecodebench": _livecodebench_tests,
+                     "apps": _apps_tests}[source](record)
+        except ValueError as exc:
+            return BadTask(task_id, str(exc))
+        truth.update({k: record[k] for k in COMPARE_KEYS if k in record})
+        return parse_ground_truth(task_id, truth, data_source=record.get("data_source") or source,
+                                  impossible_type=impossible_type, original_id=original_id)
+    return None
+
+
+def _codecontests_tests(record: dict) -> dict:
+    inputs, outputs = [], []
+    for key in ("public_tests", "private_tests", "generated_tests"):
+        block = record.get(key)
+        if block is None:
+            continue
+        given, wanted = (block.get(k) if isinstance(block, dict) else None for k in ("input", "output"))
+        if not isinstance(given, list) or not isinstance(wanted, list) or len(given) != len(wanted):
+            raise ValueError(f"{key} must be {{input: [...], output: [...]}}, lists of the same length")
+        inputs += given
+        outputs += wanted
+    return {"inputs": inputs, "outputs": outputs}
+
+
+def _livecodebench_tests(record: dict) -> dict:
+    cases = _lcb_cases(record, "public_test_cases") + _lcb_cases(record, "private_test_cases")
+    metadata = record.get("metadata") or {}
+    try:
+        metadata = json.loads(metadata) if isinstance(metadata, str) else metadata
+    except ValueError:
+        raise ValueError("metadata is not JSON") from None
+    fn_name = metadata.get("func_name") if isinstance(metadata, dict) else None
+    truth = {"inputs": [c["input"] for c in cases], "outputs": [c["output"] for c in cases]}
+    return {**truth, "fn_name": fn_name} if fn_name else truth  # LiveCodeBench: call-based where it names one
+
+
+def _lcb_cases(record: dict, key: str) -> list[dict]:
+    value = record.get(key)
+    if value in (None, ""):
+        return []
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            try:
+                value = json.loads(_unpickled_string(value, key))
+            except json.JSONDecodeError:
+                raise ValueError(f"{key}: the unpickled string is not JSON") from None
+    if not isinstance(value, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("input"), str) and isinstance(c.get("output"), str)
+            for c in value):
+        raise ValueError(f"{key} must be a list of {{input, output}} strings")
+    return value
+
+
+class _PlainValues(pickle.Unpickler):
+    """Unpickles plain values only: a pickle that names any class or function (what would run code) is refused."""
+
+    def find_class(self, module: str, name: str):
+        raise pickle.UnpicklingError(f"it names {module}.{name}; test cases are a string")
+
+
+def _unpickled_string(text: str, key: str) -> str:
+    """LiveCodeBench's compressed form: base64 of zlib of a pickled JSON string, decompressed to a bound."""
+    limit = 8 * max_line_bytes()
+    try:
+        inflate = zlib.decompressobj()
+        data = inflate.decompress(base64.b64decode(text.encode("ascii"), validate=True), limit)
+    except (UnicodeEncodeError, binascii.Error, zlib.error) as exc:
+        raise ValueError(f"{key}: neither JSON nor LiveCodeBench's compressed form ({exc})") from None
+    if inflate.unconsumed_tail:
+        raise ValueError(f"{key}: over {limit >> 20} MiB decompressed (8 x ${MAX_LINE_ENV})")
+    try:
+        value = _PlainValues(io.BytesIO(data)).load()
+    except Exception as exc:  # whatever a malformed pickle raises, it is this field's fault
+        raise ValueError(f"{key}: refused the pickle: {' '.join(str(exc).split())}") from None
+    if not isinstance(value, str):
+        raise ValueError(f"{key}: the pickle holds a {type(value).__name__}, not the JSON string of the tests")
+    return value
+
+
+def _apps_tests(record: dict) -> dict:
+    value = record.get("input_output")
+    if value in (None, ""):
+        raise ValueError("input_output has no tests (inputs and outputs)")
+    try:
+        truth = json.loads(value) if isinstance(value, str) else value
+    except ValueError:
+        raise ValueError("input_output is not JSON") from None
+    if not isinstance(truth, dict) or not truth.get("inputs"):
+        raise ValueError("input_output has no tests (inputs and outputs)")
+    truth = {k: truth[k] for k in ("inputs", "outputs", "fn_name") if k in truth}
+    if not truth.get("fn_name"):  # APPS gives some stdin tests as lists of lines; its harness joins them
+        truth.pop("fn_name", None)
+        truth = {k: [_lines(x) for x in truth.get(k) or []] for k in ("inputs", "outputs")}
+    return truth
+
+
+def _lines(value: Any) -> Any:
+    return "\n".join(value) if isinstance(value, list) and all(isinstance(x, str) for x in value) else value
 
 
 def _check_task(record: dict, task_id: str, original_id: str, impossible_type: str | None) -> Task:

@@ -3,7 +3,11 @@ fidelity to a host check of 30 CodeContests problems."""
 
 from __future__ import annotations
 
+import base64
 import json
+import os
+import pickle
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -275,6 +279,92 @@ def test_codecontests_records_are_stdio_tasks_compared_as_floats():
     own = task_from_record({"task_id": "cc", "tests": [{"input": "", "output": "1"}], "compare": "tokens",
                             "data_source": "mine"}, "line 1")
     assert (own.compare, own.data_source) == ("tokens", "mine")
+
+
+# --- the datasets' own rows ---------------------------------------------------------------------------
+
+def _lcb_compressed(cases: list[dict]) -> str:
+    """LiveCodeBench's private_test_cases: base64 of zlib of a pickled JSON string."""
+    return base64.b64encode(zlib.compress(pickle.dumps(json.dumps(cases)))).decode()
+
+
+LCB_SUMS = {"question_id": "abc300_a", "question_title": "Sums", "platform": "atcoder", "question_content": "...",
+            "starter_code": "", "metadata": "{}",
+            "public_test_cases": json.dumps([{"input": "2\n1 2\n3 4\n", "output": "3\n7\n", "testtype": "stdin"}]),
+            "private_test_cases": _lcb_compressed([{"input": "1\n-5 5\n", "output": "0\n", "testtype": "stdin"}])}
+LCB_TWO_SUM = {"question_id": "1", "platform": "leetcode", "question_content": "...", "metadata": '{"func_name": "twoSum"}',
+               "public_test_cases": json.dumps([{"input": "[2, 7, 11, 15]\n9", "output": "[0, 1]",
+                                                 "testtype": "functional"}]),
+               "private_test_cases": _lcb_compressed([{"input": "[3, 3]\n6", "output": "[0, 1]",
+                                                       "testtype": "functional"}])}
+TWO_SUM = ("class Solution:\n    def twoSum(self, nums, target):\n        seen = {}\n"
+           "        for i, n in enumerate(nums):\n            if target - n in seen:\n"
+           "                return [seen[target - n], i]\n            seen[n] = i\n")
+
+
+def test_the_datasets_own_rows_load_as_published(tmp_path):
+    # DeepMind's CodeContests, as its parquet holds it (nested structs): every test counts.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    row = {"name": "1548_E. Gregor and the Two Painters", "description": "...",
+           "public_tests": {"input": ["2\n1 2\n3 4\n"], "output": ["3\n7\n"]},
+           "private_tests": {"input": ["1\n-5 5\n"], "output": ["0\n"]},
+           "generated_tests": {"input": ["1\n0 0\n"], "output": ["0\n"]},
+           "time_limit": {"seconds": 2, "nanos": 0}, "memory_limit_bytes": 256000000}
+    pq.write_table(pa.Table.from_pylist([row]), tmp_path / "cc.parquet")
+    (task,) = load_tasks(tmp_path / "cc.parquet")
+    assert (task.task_id, task.data_source, task.inputs, task.outputs) == (
+        "1548_E. Gregor and the Two Painters", "codecontests", ("2\n1 2\n3 4\n", "1\n-5 5\n", "1\n0 0\n"),
+        ("3\n7\n", "0\n", "0\n"))
+    bad = task_from_record({**row, "private_tests": {"input": ["1"], "output": []}}, "row 1")
+    assert bad.reason == "private_tests must be {input: [...], output: [...]}, lists of the same length"
+    # LiveCodeBench's code_generation rows: public and private tests, call-based where metadata names a function.
+    sums, two_sum = task_from_record(LCB_SUMS, "line 1"), task_from_record(LCB_TWO_SUM, "line 2")
+    assert (sums.task_id, sums.inputs, sums.fn_name, sums.data_source) == (
+        "abc300_a", ("2\n1 2\n3 4\n", "1\n-5 5\n"), None, "livecodebench")
+    assert (two_sum.fn_name, two_sum.inputs) == ("twoSum", ("[2, 7, 11, 15]\n9", "[3, 3]\n6"))
+    # APPS / TACO: input_output, a JSON string; stdin tests given as lists of lines are joined.
+    apps = task_from_record({"problem_id": 7, "input_output": json.dumps({"inputs": ["1\n"], "outputs": [["2", "3"]]})},
+                            "row 0")
+    assert (apps.task_id, apps.outputs, apps.data_source) == ("7", ("2\n3",), "apps")
+    assert task_from_record({"problem_id": 8, "input_output": ""}, "row 1").reason == \
+        "input_output has no tests (inputs and outputs)"
+
+
+def test_a_livecodebench_pickle_never_runs_what_it_names(tmp_path):
+    """Unpickling runs what a pickle names: a hostile row's private_test_cases must not reach the host."""
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    hostile = base64.b64encode(zlib.compress(pickle.dumps(Payload()))).decode()
+    task = task_from_record({**LCB_SUMS, "private_test_cases": hostile}, "line 1")
+    assert task.reason == "private_test_cases: refused the pickle: it names posix.system; test cases are a string"
+    assert not marker.exists()
+    not_a_string = base64.b64encode(zlib.compress(pickle.dumps([1, 2]))).decode()
+    assert task_from_record({**LCB_SUMS, "private_test_cases": not_a_string}, "line 2").reason == \
+        "private_test_cases: the pickle holds a list, not the JSON string of the tests"
+    bomb = base64.b64encode(zlib.compress(pickle.dumps("x" * (2 << 20)))).decode()  # 2 MiB from a few kB
+    os.environ["IMAGE_BUILDER_MAX_LINE"] = "64K"
+    try:
+        reason = task_from_record({**LCB_SUMS, "private_test_cases": bomb}, "line 3").reason
+    finally:
+        del os.environ["IMAGE_BUILDER_MAX_LINE"]
+    assert reason == "private_test_cases: over 0 MiB decompressed (8 x $IMAGE_BUILDER_MAX_LINE)"
+
+
+def test_livecodebench_rows_grade_as_its_evaluator_runs_them(host):
+    sums, two_sum = task_from_record(LCB_SUMS, "line 1"), task_from_record(LCB_TWO_SUM, "line 2")
+    assert grade(sums, SUMS_BY_INPUT, host).score == 1.0
+    wrong = grade(sums, "input()\nprint(3)\nprint(7)\n", host)  # right on the public test only
+    assert wrong.score == 0.5 and [c.status for c in wrong.cases] == [CaseStatus.PASSED, CaseStatus.FAILED]
+    assert grade(two_sum, TWO_SUM, host).score == 1.0
+    assert grade(two_sum, "class Solution:\n    def twoSum(self, nums, target):\n        return [0, 1]\n",
+                 host).score == 1.0  # both tests' answer is [0, 1]
+    assert grade(two_sum, "class Solution:\n    def twoSum(self, nums, target):\n        return [1, 0]\n",
+                 host).score == 0.0
 
 
 # --- checker ----------------------------------------------------------------------------------------------
