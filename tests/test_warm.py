@@ -167,6 +167,58 @@ for pid in filter(str.isdigit, os.listdir("/proc")):
     assert job(pool, "print('served')")[:2] == (0, "served\n")
 
 
+def test_a_signal_to_the_jobs_process_group_does_not_reach_the_zygote(pool):
+    """kill(0, ...) reaches every process of the caller's group, across pid namespaces: a job in the
+    zygote's group stopped it (red team). Each job now has a session of its own."""
+    code, _, result = job(pool, """
+import os, signal
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+os.kill(0, signal.SIGTERM)
+print("survived")
+""", timeout=5)
+    assert code == 0, result
+    assert pool._idle and not pool._idle[0].dead and job(pool, "print('served')")[:2] == (0, "served\n")
+
+
+def test_closed_connections_leave_nothing_for_the_next_job(pool):
+    """A closed TCP connection waits a minute in TIME_WAIT, listed in /proc/net/tcp: in a network namespace
+    shared by the jobs, one job wrote there what the next read (red team: a counter across cases)."""
+    code, out, _ = job(pool, """
+import socket
+srv = socket.create_server(("127.0.0.1", 40072))
+client = socket.create_connection(("127.0.0.1", 40072))
+peer, _ = srv.accept()
+client.close(); peer.close(); srv.close()
+print(sum(1 for line in open("/proc/net/tcp").read().splitlines()[1:]))
+""")
+    assert (code, out) == (0, "1\n")  # its own connection, waiting
+    code, out, _ = job(pool, "print(open('/proc/net/tcp').read().splitlines()[1:])")
+    assert (code, out) == (0, "[]\n")
+
+
+def test_a_job_cannot_slow_down_the_next(pool):
+    """A job that renices its scheduler autogroup (/proc/self/autogroup, or its zygote's) must not leave the
+    next job at nice 19: each job has an autogroup of its own, and a zygote whose own was changed serves no
+    more (red team: an honest task timed out behind a job that wrote 19 there)."""
+    assert os.path.exists("/proc/self/autogroup"), "this test needs a kernel with scheduler autogroups"
+    code, out, _ = job(pool, """
+import os, time
+me = os.readlink("/proc/self")  # pids as the zygote's /proc numbers them (kernel backend)
+zygotes = [p for p in os.listdir("/proc") if p.isdigit() and p != me and b"zygote.py" in open(
+    "/proc/%s/cmdline" % p, "rb").read()]
+for pid in ["self"] + zygotes:
+    time.sleep(0.11)  # the kernel takes one change a tenth of a second from a process without CAP_SYS_ADMIN
+    with open("/proc/%s/autogroup" % pid, "w") as f:
+        f.write("19")
+print(open("/proc/self/autogroup").read().split()[-1], [open("/proc/%s/autogroup" % p).read().split()[-1]
+                                                        for p in zygotes])
+""")
+    assert code == 0 and out.startswith("19 [") and "'19'" in out, out  # its own group and its zygote's
+    assert not pool._idle, "the zygote whose autogroup the job reniced serves on"
+    code, out, _ = job(pool, "print(open('/proc/self/autogroup').read().split()[-1])")
+    assert (code, out) == (0, "0\n")
+
+
 def _hung_zygotes() -> list[str]:
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):

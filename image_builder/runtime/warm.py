@@ -145,6 +145,9 @@ class Zygote:
             self.close()
             raise WarmUnavailable(self._why())
         self.served = True
+        if "retire" in answer:  # it leaves after this job: none is given to it again
+            self.dead = str(answer["retire"])
+            self.close()
         return RunResult(answer["exit_code"], answer["signal"], bool(answer["timed_out"]), False, wall,
                          answer["peak_memory_kb"], b"", b"")
 
