@@ -380,6 +380,21 @@ def test_network_is_off_unless_asked(case, listener):
     assert on.stdout == b"connected\n", on
 
 
+@pytest.mark.parametrize("case", ["kernel", "userns"], indirect=True)
+def test_a_runs_closed_connections_are_not_the_next_runs_to_see(case):
+    """A closed TCP connection waits a minute in TIME_WAIT, listed in /proc/net/tcp: in a network namespace
+    that the next run shares (its init reused, or the namespace pooled) one run wrote there what the next
+    read (red team: a counter across a task's cases)."""
+    leave = case.req(py("import socket\n"
+                        "srv = socket.create_server(('127.0.0.1', 40072))\n"
+                        "client = socket.create_connection(('127.0.0.1', 40072))\n"
+                        "peer, _ = srv.accept(); client.close(); peer.close(); srv.close()\n"
+                        "print(len(open('/proc/net/tcp').read().splitlines()[1:]))"))
+    look = case.req(py("print(open('/proc/net/tcp').read().splitlines()[1:])"))
+    out = case.run(leave, look, look)
+    assert [r.stdout for r in out] == [b"1\n", b"[]\n", b"[]\n"], out
+
+
 def test_layers_are_read_only_and_the_root_inescapable(case):
     imgs = case.images
     code = f"""

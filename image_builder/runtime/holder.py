@@ -399,10 +399,11 @@ class Holder:
         send_fds(conn, {"spec": spec})
 
     def _fill_netns(self) -> None:
-        """Isolated network namespaces with lo up, for the next inits. Making one costs
-        about 2.5 ms of CPU here (and more to tear down), so each is reused, by one run
-        after another: a run holds it alone, and what it leaves behind dies with its
-        processes. Where none can be made, inits make their own (and say why not)."""
+        """Isolated network namespaces with lo up, for the next inits, made ahead of need
+        (about 2.5 ms of CPU each here, and more to tear down). Each serves one init only:
+        what a run's sockets leave (TIME_WAIT) outlives its processes, and a reused init
+        moves its next run to a new one itself. Where none can be made, inits make their
+        own (and say why not)."""
         # A child makes them: without privileges on the host's namespace, a process that
         # leaves it cannot come back.
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -571,8 +572,8 @@ class Holder:
                 self._unpark(sid, ended=True)
             if self.cgroups and init.cgroup:
                 self.cgroups.release(init.cgroup)
-            if init.netns is not None:  # every process that used it is gone: reuse it
-                self.free_netns.append(init.netns)
+            if init.netns is not None:  # never another run's: what its sockets left outlives them
+                os.close(init.netns)
             if init.layer:
                 try:
                     self._drop_layer(init.layer)

@@ -1408,6 +1408,11 @@ int main(int argc, char **argv) {
                 reusable = now.len == pristine.len && !memcmp(now.data, pristine.data, now.len);
             }
         }
+        /* Nor its network: sockets' state outlives their processes (a closed connection waits a
+           minute in TIME_WAIT, listed in /proc/net/tcp: a counter the next run could read), so
+           the next run gets a new namespace (0.8 ms of CPU). */
+        if (reusable && !s.network && (unshare(CLONE_NEWNET) || loopback_up()))
+            reusable = 0;
         if (send_result(CTL, &r, reusable) || !reusable)
             return 0;
     }
