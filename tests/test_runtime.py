@@ -395,6 +395,22 @@ def test_a_runs_closed_connections_are_not_the_next_runs_to_see(case):
     assert [r.stdout for r in out] == [b"1\n", b"[]\n", b"[]\n"], out
 
 
+@pytest.mark.parametrize("case", ["kernel", "userns"], indirect=True)
+def test_a_run_that_renices_its_init_does_not_slow_down_the_next(case):
+    """/proc/1/autogroup is the run's user's to write: a run reniced its init, which then served the next
+    run at nice 19 (red team, as in the warm interpreters)."""
+    renice = case.req(py("import time\n"
+                         "for _ in range(40):  # the kernel takes one change a tenth of a second, machine-wide\n"
+                         "    try:\n"
+                         "        open('/proc/1/autogroup', 'w').write('19'); break\n"
+                         "    except OSError:\n"
+                         "        time.sleep(0.05)\n"
+                         "print(open('/proc/1/autogroup').read().split()[-1])"))
+    look = case.req(py("print(open('/proc/1/autogroup').read().split()[-1])"))
+    out = case.run(renice, look)
+    assert [r.stdout for r in out] == [b"19\n", b"0\n"], out
+
+
 def test_layers_are_read_only_and_the_root_inescapable(case):
     imgs = case.images
     code = f"""

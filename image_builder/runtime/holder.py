@@ -175,8 +175,10 @@ def spawn_init(program: str, spec: RootSpec, mode: str, ctl: int, idle: float = 
     # Above 4 first: dup2 onto 3 and 4 must not overwrite one of the two before it is copied.
     high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10) for fd in (ctl, *(() if netns is None else (netns,)))]
     try:
+        # A session of its own: a scheduler autogroup that a run renicing /proc/1/autogroup slows for
+        # this init alone, not for the holder and every other init (red team).
         return os.posix_spawn(program, argv, {}, file_actions=[(os.POSIX_SPAWN_DUP2, fd, 3 + i)
-                                                                 for i, fd in enumerate(high)])
+                                                                 for i, fd in enumerate(high)], setsid=True)
     finally:
         for fd in high:
             os.close(fd)

@@ -1355,6 +1355,10 @@ int main(int argc, char **argv) {
     struct buf pristine = {0}, now = {0};
     size_t pristine_top = 0;
     int may_reuse = scratch_emptiable(&s); /* whether this root can serve a next run at all */
+    /* A run may renice this init's scheduler autogroup (/proc/1/autogroup is its user's to write):
+       an init slowed so serves no next run. */
+    char group[64] = "", group_now[64] = "";
+    read_small(AT_FDCWD, "/proc/self/autogroup", group, sizeof group);
     for (;;) {
         char *data = NULL;
         size_t len = 0;
@@ -1412,6 +1416,9 @@ int main(int argc, char **argv) {
            minute in TIME_WAIT, listed in /proc/net/tcp: a counter the next run could read), so
            the next run gets a new namespace (0.8 ms of CPU). */
         if (reusable && !s.network && (unshare(CLONE_NEWNET) || loopback_up()))
+            reusable = 0;
+        if (reusable && (read_small(AT_FDCWD, "/proc/self/autogroup", group_now, sizeof group_now),
+                         strcmp(group, group_now)))
             reusable = 0;
         if (send_result(CTL, &r, reusable) || !reusable)
             return 0;
