@@ -511,8 +511,8 @@ def serve(store, env_name, host, port, token_file, no_token, url_file, max_concu
     from image_builder.runtime.backends import open_session
     from image_builder.runtime.session import Backend
     from image_builder.runtime.warm import LAYERS_AT, WarmPools
-    from image_builder.serve import Limits, Runner, default_token_file, environment_layers, listen, \
-        load_or_create_token, make_app, url_of
+    from image_builder.serve import Limits, Runner, default_token_file, environment_layers, guarded_protocol, \
+        listen, load_or_create_token, make_app, url_of
     from image_builder.store.files import atomic_write
     from image_builder.store.store import Store
     if no_token:
@@ -541,7 +541,7 @@ def serve(store, env_name, host, port, token_file, no_token, url_file, max_concu
         click.echo(f"image-builder serve: environment {name} ({', '.join(sorted(runner.languages)) or 'no languages'})"
                    f" on {url}", err=True)
         server = uvicorn.Server(uvicorn.Config(make_app(runner, token, Limits(max_concurrency, queue, body_limit)),
-                                               access_log=False, log_level="warning"))
+                                               http=guarded_protocol(), access_log=False, log_level="warning"))
         if url_file:
             atomic_write(url_file, lambda f: f.write(f"{url}\n".encode()))
         try:

@@ -248,6 +248,40 @@ def test_the_token(mbpp_store, tmp_path):
     assert r.returncode != 0 and "other users can read this token file" in r.stderr and "Traceback" not in r.stderr
 
 
+HOLD = """
+import socket, sys, time
+port = int(sys.argv[1])
+held = [socket.create_connection(("127.0.0.1", port)) for _ in range(200)]
+time.sleep(1)
+closed = 0
+for s in held:
+    s.settimeout(0.5)
+    try:
+        closed += s.recv(1) == b""
+    except ConnectionResetError:
+        closed += 1
+    except socket.timeout:
+        pass
+print(closed)
+"""
+
+
+def test_another_user_of_the_node_cannot_hold_the_servers_connections(open_server):
+    """uvicorn keeps a connection that never sends a request: another user of the node (no token needed) held
+    4,300 idle ones and the server, out of descriptors, accepted no one (red team). A connection from another
+    user's socket on this host is let go at once; the server's own user (and root) are served."""
+    port = open_server.url.rsplit(":", 1)[1]
+    mine = __import__("socket").create_connection(("127.0.0.1", int(port)))
+    r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c", HOLD, port],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout == "200\n", (r.stdout, r.stderr)
+    mine.settimeout(0.5)
+    with pytest.raises(TimeoutError):  # ours stays open, waiting for its request
+        mine.recv(1)
+    mine.close()
+    assert requests.get(f"{open_server.url}/health", timeout=10).status_code == 200
+
+
 def test_no_token_only_on_loopback(mbpp_store):
     r = subprocess.run([str(EXE), "serve", "--store", str(mbpp_store), "--no-token", "--host", "0.0.0.0"],
                        capture_output=True, text=True, timeout=60)
