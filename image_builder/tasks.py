@@ -277,14 +277,9 @@ def _codecontests_task(record: dict, task_id: str, original_id: str, impossible_
                               impossible_type=impossible_type, original_id=original_id)
 
 
-# A dataset's own layout: the key that tells it, and the keys its task id is read from (`task_id` first).
-RAW_LAYOUTS = (("public_tests", "codecontests", ("name",)), ("public_test_cases", "livecodebench", ("question_id",)),
-               ("input_output", "apps", ("problem_id", "name")))
-
-
 def raw_layout_task(record: dict, fallback_id: str) -> Task | None:
     """A row as CodeContests, LiveCodeBench or APPS/TACO publish it (the module docstring), else None."""
-    for key, source, id_keys in RAW_LAYOUTS:
+    for key, source, id_keys, read_tests in RAW_LAYOUTS:
         if key not in record:
             continue
         original_id = next((str(record[k]) for k in ("task_id", *id_keys) if record.get(k) not in (None, "")),
@@ -292,8 +287,7 @@ def raw_layout_task(record: dict, fallback_id: str) -> Task | None:
         impossible_type = record.get("impossible_type")
         task_id = f"{original_id}__{impossible_type}" if impossible_type else original_id
         try:
-            truth = {"codecontests": _codecontests_tests, "livecodebench": _livecodebench_tests,
-                     "apps": _apps_tests}[source](record)
+            truth = read_tests(record)
         except ValueError as exc:
             return BadTask(task_id, str(exc))
         truth.update({k: record[k] for k in COMPARE_KEYS if k in record})
@@ -392,6 +386,13 @@ def _apps_tests(record: dict) -> dict:
 
 def _lines(value: Any) -> Any:
     return "\n".join(value) if isinstance(value, list) and all(isinstance(x, str) for x in value) else value
+
+
+# A dataset's own layout: the key that tells it, its data source, the keys its task id is read from (`task_id`
+# first) and its tests' reader.
+RAW_LAYOUTS = (("public_tests", "codecontests", ("name",), _codecontests_tests),
+               ("public_test_cases", "livecodebench", ("question_id",), _livecodebench_tests),
+               ("input_output", "apps", ("problem_id", "name"), _apps_tests))
 
 
 def _check_task(record: dict, task_id: str, original_id: str, impossible_type: str | None) -> Task:
