@@ -37,13 +37,15 @@ from image_builder.errors import ImageBuilderError
 from image_builder.runtime.execution import RunRequest, RunResult
 from image_builder.runtime.session import InstanceLayers
 from image_builder.runtime.warm import WarmExecutor, WarmPools, run_warm
-from image_builder.submit import BadSubmit, Submission, evaluate, parse_submit
+from image_builder.submit import MAX_SECONDS, BadSubmit, Submission, evaluate, parse_submit
 
 DEFAULT_BODY_LIMIT = 16 << 20
 # Bytes kept of stdout and of stderr each (fetched files ride on stderr: see _fetch_script).
 DEFAULT_MAX_OUTPUT = 8 << 20
 WORKDIR = "/sandbox"  # where the code and the request's files go, as SandboxFusion's temp dir
 RETRY_AFTER = "1"  # seconds; runs are short, so a full queue drains soon
+MAX_MEMORY_MB = 1 << 20  # the largest memory_limit_MB (1 TiB); past it a request is refused, not crashed on
+BODY_TIMEOUT = 60.0  # seconds a request's body has to arrive once its head has
 
 
 class ServeError(ImageBuilderError):
@@ -118,8 +120,8 @@ def _number(doc: dict, key: str, default: float) -> float:
     value = doc.get(key, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value != value:
-        raise BadRequest(f"{key} must be a positive number of seconds, not {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_SECONDS:
+        raise BadRequest(f"{key} must be seconds in (0, {MAX_SECONDS:.0f}], not {value!r}")
     return float(value)
 
 
@@ -144,8 +146,8 @@ def parse_request(doc: object) -> RunCodeRequest:
     memory = doc.get("memory_limit_MB", -1)
     if memory is None:
         memory = -1
-    if isinstance(memory, bool) or not isinstance(memory, int):
-        raise BadRequest(f"memory_limit_MB must be an integer (-1: no limit), not {memory!r}")
+    if isinstance(memory, bool) or not isinstance(memory, int) or memory > MAX_MEMORY_MB:
+        raise BadRequest(f"memory_limit_MB must be an integer up to {MAX_MEMORY_MB} (-1: no limit), not {memory!r}")
     files = doc.get("files") or {}
     if not isinstance(files, dict):
         raise BadRequest("files must be an object of path -> base64 content")
@@ -174,12 +176,14 @@ def parse_request(doc: object) -> RunCodeRequest:
 FETCH_GRACE = 30.0
 
 
-def _fetch_script(argv: tuple[str, ...], fetch: tuple[str, ...], nonce: str, timeout: float | None) -> str:
+def _fetch_script(argv: tuple[str, ...], fetch: tuple[str, ...], nonce: str, timeout: float | None,
+                  limit: int) -> str:
     """A shell wrapper that runs the code, then writes each fetched file after a marker line on
     stderr (the run's only other channel out: its root is gone when the run ends). The marker's nonce is
     read from a file the wrapper removes first, so the code's own stderr cannot end the section early by
     accident. With `timeout` (the environment has setsid), the code runs in a session of its own that a
-    timer kills at the timeout, so the files are fetched after a timeout too."""
+    timer kills at the timeout, so the files are fetched after a timeout too. Files over `limit` bytes are
+    named, not sent (stderr's own limit would cut them: a cut file was answered as if whole)."""
     # The script's own file goes too (sh keeps it open): the code sees only its files in the workdir.
     lines = ['G=$(mktemp -d) && mv .ib-serve/nonce "$G"/ && rm -r .ib-serve && read -r N < "$G/nonce" || exit 125']
     code = " ".join(map(shlex.quote, argv))
@@ -195,11 +199,15 @@ def _fetch_script(argv: tuple[str, ...], fetch: tuple[str, ...], nonce: str, tim
                   '"$p" "$G" </dev/null >/dev/null 2>&1 &', "t=$!",
                   "wait $p", "rc=$?", "kill -KILL -$t 2>/dev/null"]
     lines += ["printf '\\n@@ %s files\\n' \"$N\" >&2", 'if [ -e "$G/tle" ]; then echo tle >&2; fi']
+    # Each file as `INDEX SIZE BASE64`, or `INDEX SIZE` alone when over `limit` or unreadable (SIZE then says
+    # which): the size lets _split_fetched tell a whole file from one the output limit cut or a read broke.
     for i, name in enumerate(fetch):
         q = shlex.quote(name)
-        lines.append(f"if [ -f {q} ]; then printf '{i} ' >&2; base64 < {q} | tr -d '\\n' >&2; "
-                     f"printf '\\n' >&2; fi")
-    lines.append('rm -rf "$G"; exit $rc')
+        lines.append(f"if [ -f {q} ]; then s=$(wc -c < {q} 2>/dev/null) || s=unreadable; "
+                     f"if [ \"$s\" -le {limit} ] 2>/dev/null; then printf '{i} %s ' $s >&2; "
+                     f"base64 < {q} 2>/dev/null | tr -d '\\n' >&2; printf '\\n' >&2; "
+                     f"else printf '{i} %s\\n' \"$s\" >&2; fi; fi")
+    lines += ["echo end >&2", 'rm -rf "$G"; exit $rc']
     return "\n".join(lines) + "\n"
 
 
@@ -207,25 +215,48 @@ def _fetch_script(argv: tuple[str, ...], fetch: tuple[str, ...], nonce: str, tim
 class Fetched:
     """What the wrapper wrote after the code's stderr."""
 
-    files: dict[str, str]  # path as asked -> base64
+    files: dict[str, str]  # path as asked -> base64, each checked whole
     timed_out: bool  # its timer stopped the code
+    not_sent: dict[str, str] = field(default_factory=dict)  # path -> why it is not in `files`
 
 
-def _split_fetched(stderr: bytes, nonce: str, fetch: tuple[str, ...]) -> tuple[bytes, Fetched | None]:
+def _split_fetched(stderr: bytes, nonce: str, fetch: tuple[str, ...], limit: int) -> tuple[bytes, Fetched | None]:
     """The code's stderr and what the wrapper wrote after it; None when the marker never came (the run
-    was stopped first)."""
+    was stopped first, or the code's own stderr filled the output limit)."""
     marker = f"\n@@ {nonce} files\n".encode()
     cut = stderr.rfind(marker)
     if cut < 0:
         return stderr, None
     fetched = Fetched({}, False)
-    for line in stderr[cut + len(marker):].decode("ascii", "replace").splitlines():
-        index, _, content = line.partition(" ")
+    for line in stderr[cut + len(marker):].decode("ascii", "replace").split("\n"):
+        if line == "end":
+            return stderr[:cut], fetched
         if line == "tle":
             fetched.timed_out = True
-        elif index.isdigit() and int(index) < len(fetch):
-            fetched.files[fetch[int(index)]] = content
+            continue
+        index, size, content = (line.split(" ", 2) + ["", ""])[:3]
+        if not index.isdigit() or int(index) >= len(fetch):
+            continue
+        name = fetch[int(index)]
+        if not size.isdigit():
+            fetched.not_sent[name] = "cannot be read"
+        elif int(size) > limit:
+            fetched.not_sent[name] = f"{size} bytes, over the {limit} a fetched file may have"
+        elif _whole(content, int(size)):
+            fetched.files[name] = content
+        else:
+            fetched.not_sent[name] = "cut by the output limit (or a failed read)"
+    for name in fetch:  # no end line: the output limit cut the section, and every file it did not reach
+        if name not in fetched.files:
+            fetched.not_sent.setdefault(name, "cut by the output limit")
     return stderr[:cut], fetched
+
+
+def _whole(content: str, size: int) -> bool:
+    try:
+        return len(base64.b64decode(content, validate=True)) == size
+    except (binascii.Error, ValueError):
+        return False
 
 
 def _text(data: bytes) -> str:
@@ -253,9 +284,11 @@ def answer(request: RunCodeRequest, language: Language, result: RunResult, fetch
     if result.out_of_memory:
         notes.append(f"out of memory ({request.memory_limit_mb} MB)")
     if request.fetch_files and fetched is None:
-        notes.append("files were not fetched: the run was stopped before they were read")
+        notes.append("files were not fetched: " + ("the code's stderr filled the output limit" if result.truncated
+                                                   else "the run was stopped before they were read"))
     elif request.fetch_files:
-        notes.extend(f"{name}: no such file" for name in request.fetch_files if name not in fetched.files)
+        notes.extend(f"{name}: {fetched.not_sent.get(name, 'no such file')}" for name in request.fetch_files
+                     if name not in fetched.files)
     if status == "Error":  # SandboxFusion's verdict on a command that could not run: the sandbox's fault
         return RunCodeResponse("SandboxError", f"cannot start {language.argv[0]} in the environment: "
                                                f"{os.strerror(result.start_errno)}", compiled, run)
@@ -274,6 +307,8 @@ class Runner:
         self.session, self.languages, self.has_setsid, self.max_output = session, languages, has_setsid, max_output
         self.warm = warm
         self.executor = WarmExecutor(session, warm) if warm else session
+        # A fetched file's bytes as base64 (4/3) in the stderr limit, with room for the code's own stderr.
+        self.fetch_limit = max_output * 3 // 4 - (64 << 10)
 
     @classmethod
     def probe(cls, session, warm: WarmPools | None = None) -> Runner:
@@ -306,7 +341,8 @@ class Runner:
                 if compiled.status != "Finished" or compiled.return_code != 0:
                     return RunCodeResponse("Failed", "", compiled)
                 if binary is None:
-                    return RunCodeResponse("Failed", f"the compiler wrote no {language.binary}", compiled)
+                    why = fetched.not_sent.get(language.binary, "no such file") if fetched else "not fetched"
+                    return RunCodeResponse("Failed", f"the compiler's {language.binary}: {why}", compiled)
                 files = {**request.files, language.binary: base64.b64decode(binary)}
             result, stderr, fetched = self._execute(language.argv, files, (request.stdin or "").encode(),
                                                     request.run_timeout, request.memory_limit_mb, request.fetch_files)
@@ -323,7 +359,7 @@ class Runner:
             nonce = secrets.token_hex(16)
             files = {**files, ".ib-serve/nonce": f"{nonce}\n".encode()}  # `read` fails on a last line without one
             timer = timeout if self.has_setsid else None
-            files[".ib-serve/run.sh"] = _fetch_script(argv, fetch, nonce, timer).encode()
+            files[".ib-serve/run.sh"] = _fetch_script(argv, fetch, nonce, timer, self.fetch_limit).encode()
             argv = ("/bin/sh", ".ib-serve/run.sh")
             timeout += FETCH_GRACE if timer else 0
         request = RunRequest(argv, stdin=stdin, files=files, timeout=timeout, memory_mb=memory_mb,
@@ -332,7 +368,7 @@ class Runner:
         result = run_warm(pool, self.session, request)
         if nonce is None:
             return result, result.stderr, None
-        stderr, fetched = _split_fetched(result.stderr, nonce, fetch)
+        stderr, fetched = _split_fetched(result.stderr, nonce, fetch, self.fetch_limit)
         return result, stderr, fetched
 
 
@@ -402,6 +438,7 @@ def make_app(runner: Runner, token: str | None, limits: Limits = Limits(),
              log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)):
     """The Starlette app. `token` None: no authentication (loopback tests only: the CLI asks for --no-token)."""
     from starlette.applications import Starlette
+    from starlette.requests import ClientDisconnect
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
@@ -428,13 +465,19 @@ def make_app(runner: Runner, token: str | None, limits: Limits = Limits(),
         return b"".join(chunks)
 
     async def served(request, parse: Callable, work: Callable, what: str):
-        """Authorized, size-checked, parsed, admitted (or 503), then `work(parsed)` on a worker thread."""
+        """Authorized, size-checked, parsed, admitted (or 503), then `work(parsed)` on a worker thread. The slot
+        is held until the answer is sent: an answer carries up to twice the output limit, so a client that
+        asks and never reads holds at most max_concurrency + queue of them in memory, not one per request."""
         if not authorized(request):
             return refused(401, "missing or wrong token (Authorization: Bearer TOKEN)", {"WWW-Authenticate": "Bearer"})
         try:
-            body = await read_body(request)
+            body = await asyncio.wait_for(read_body(request), BODY_TIMEOUT)
         except _TooLarge:
             return refused(413, f"request body over {limits.body_limit} bytes")
+        except asyncio.TimeoutError:
+            return refused(408, f"the request body did not arrive within {BODY_TIMEOUT:.0f} s")
+        except ClientDisconnect:
+            return refused(400, "the client went away before its body arrived")
         try:
             parsed = parse(json.loads(body))
         except (ValueError, RecursionError) as exc:  # JSONDecodeError, BadRequest and BadSubmit are ValueErrors
@@ -445,9 +488,11 @@ def make_app(runner: Runner, token: str | None, limits: Limits = Limits(),
         state["admitted"] += 1
         try:
             answer = await asyncio.get_running_loop().run_in_executor(pool, work, parsed)
-            return answer if isinstance(answer, JSONResponse) else JSONResponse(answer)
-        finally:
+            response = answer if isinstance(answer, JSONResponse) else JSONResponse(answer)
+        except BaseException:
             state["admitted"] -= 1
+            raise
+        return _SentThenReleased(response, lambda: state.__setitem__("admitted", state["admitted"] - 1))
 
     def run(parsed: RunCodeRequest) -> dict:
         try:
@@ -489,6 +534,19 @@ def make_app(runner: Runner, token: str | None, limits: Limits = Limits(),
     return _AccessLog(app, log)
 
 
+class _SentThenReleased:
+    """A response (ASGI app) that calls `release` once it is sent, or its client is gone."""
+
+    def __init__(self, response, release: Callable[[], None]):
+        self.response, self.release = response, release
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await self.response(scope, receive, send)
+        finally:
+            self.release()
+
+
 class _AccessLog:
     """One line per request: client, method, path, status, bytes sent, seconds (ASGI middleware, so
     every answer is logged, the 401s and 413s too)."""
@@ -528,6 +586,9 @@ HEAD_TIMEOUT = 10.0  # seconds a connection has to send its first request's head
 def local_peer_uid(peer: tuple, local: tuple) -> int | None:
     """The uid owning the socket at the other end of an accepted TCP connection from `peer` to `local`
     (socket addresses as getpeername/getsockname give them), when that socket is on this host; else None."""
+    if peer[0].startswith("::ffff:") and local[0].startswith("::ffff:"):
+        # An IPv4 client of a dual-stack listener: its own socket is in IPv4's table, by IPv4 addresses.
+        peer, local = (peer[0][7:], peer[1]), (local[0][7:], local[1])
     family = socket.AF_INET6 if ":" in peer[0] else socket.AF_INET
     packed = [socket.inet_pton(family, a[0]).ljust(16, b"\0") for a in (peer, local)]
     # inet_diag_req_v2 for the peer's own socket: its source is our peer, its destination us.
@@ -577,28 +638,55 @@ def guarded_protocol():
     return Guarded
 
 
+WILDCARDS = ("0.0.0.0", "::", "")
+
+
 def listen(host: str, port: int) -> socket.socket:
-    """A listening socket for uvicorn (port 0: a free one), so that the URL is known before serving."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    """A listening socket for uvicorn (port 0: a free one), so that the URL is known before serving.
+
+    Every address a client may try for the URL is ours: a client sends its token to whatever answers there,
+    and any user of the node can listen on a port of an address family we left free (red team: with
+    --host 0.0.0.0 another user took [::]:PORT, and clients of the node's name reached over IPv6 gave it
+    their token). So all addresses listen dual-stack on [::] where the host has IPv6, and a name listens
+    on the one address it resolves to first, which url_of then writes by number."""
+    if host in WILDCARDS and socket.has_ipv6:
+        try:
+            return _listen(socket.AF_INET6, ("::", port), dual_stack=True)
+        except ServeError:
+            pass  # IPv6 off on this host: nobody can listen there either
+    family, address = socket.AF_INET, ("0.0.0.0", port)
+    if host not in WILDCARDS:
+        try:
+            family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        except socket.gaierror as exc:
+            raise ServeError(f"cannot listen on {host}: {exc.strerror}; give an address (--host)") from None
+    return _listen(family, address[:2], dual_stack=False)
+
+
+def _listen(family: int, address: tuple, dual_stack: bool) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if family == socket.AF_INET6:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0 if dual_stack else 1)
     # Accepted connections inherit it: without it a keep-alive client waited out a delayed ACK on every
     # response (its headers and body are two writes): 52 ms a print(1) where the run took 8 (bench/serve.py).
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
-        sock.bind((host, port))
+        sock.bind(address)
     except OSError as exc:
         sock.close()
-        raise ServeError(f"cannot listen on {host}:{port} ({exc.strerror}); give another --port (0: a free one)") \
-            from None
+        raise ServeError(f"cannot listen on {address[0]}:{address[1]} ({exc.strerror}); give another --port "
+                         "(0: a free one)") from None
     sock.listen(128)
     return sock
 
 
 def url_of(sock: socket.socket, host: str) -> str:
-    """How clients reach the socket: the host's name when it listens on every address (a cluster's nodes)."""
-    name = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
-    return f"http://{f'[{name}]' if ':' in name else name}:{sock.getsockname()[1]}"
+    """How clients reach the socket: the host's name when it listens on every address (a cluster's nodes),
+    else the address it listens on, by number (a name may resolve to another address first)."""
+    address, port = sock.getsockname()[:2]
+    name = socket.gethostname() if host in WILDCARDS else address
+    return f"http://{f'[{name}]' if ':' in name else name}:{port}"
 
 
 def environment_layers(store, name: str | None, workdir: str = WORKDIR) -> tuple[InstanceLayers, str]:

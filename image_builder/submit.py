@@ -45,6 +45,7 @@ STDIO_TIMEOUT = 20.0  # SandboxFusion's run_timeout default for stdio tests (che
 COMPILE_TIMEOUT = COMPILED_RUN_TIMEOUT = 10.0  # and its defaults for compiled languages
 COMPILED = ("cpp",)
 MBPP_TIMEOUT = 20.0  # and for MBPP's one run
+MAX_SECONDS = 3600.0  # the longest timeout a request may ask (/run_code's too)
 # Code block languages by SandboxFusion's aliases (sandbox/utils/extraction.py), the ones served here.
 ALIASES = {"python": ("python", "Python", "py", "Python3", "python3", "PY"),
            "bash": ("bash", "Bash", "BASH", "sh", "shell")}
@@ -130,8 +131,8 @@ def parse_submit(doc: object) -> Submission:
     timeouts = [config.get(key) for key in ("run_timeout", "compile_timeout")]
     for key, timeout in zip(("run_timeout", "compile_timeout"), timeouts):
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or not 0 < timeout <= 3600):
-            raise BadSubmit(f"config.{key} must be seconds in (0, 3600], not {timeout!r}")
+                                    or not 0 < timeout <= MAX_SECONDS):
+            raise BadSubmit(f"config.{key} must be seconds in (0, {MAX_SECONDS:.0f}], not {timeout!r}")
     extra = config.get("extra") or {}
     if not isinstance(extra, dict):
         raise BadSubmit("config.extra must be an object")

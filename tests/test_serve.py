@@ -146,6 +146,32 @@ def test_files_in_and_fetched_out(open_server):
     assert r.run_result.stdout == "False False\n" and r.files == {}
 
 
+def test_a_fetched_file_is_whole_or_named_as_not_sent(open_server):
+    """A fetched file rides on stderr, which is cut at the output limit (8 MiB): a 20 MiB file came back as
+    its first 8 MiB of base64, answered as if whole (red team). Now a file is sent only whole (its size is
+    checked against its base64), else named in the message with why."""
+    code = ("open('big', 'wb').write(b'x' * (7 << 20)); open('small', 'wb').write(b'ok')\n"
+            "open('half', 'wb').write(b'y' * (5 << 20)); import sys; sys.stderr.write('e' * (4 << 20))")
+    r = call(open_server, code=code, language="python", fetch_files=["small", "big", "half"])
+    assert r.status == RunStatus.Success, r
+    assert base64.b64decode(r.files["small"]) == b"ok"
+    assert "big" not in r.files and "big: 7340032 bytes, over the" in r.message, r.message
+    # 5 MiB of base64 (6.7 MiB) behind 4 MiB of the code's own stderr: past the limit, so not sent.
+    assert "half" not in r.files and "half: cut by the output limit" in r.message, r.message
+    assert r.run_result.stderr == "e" * (4 << 20)
+
+
+def test_a_client_gone_before_its_body_leaves_no_traceback(open_server):
+    import socket
+    port = int(open_server.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"POST /run_code HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"code\":")
+        time.sleep(0.3)
+    assert requests.get(f"{open_server.url}/health", timeout=10).status_code == 200
+    time.sleep(0.3)
+    assert "Traceback" not in open_server.log.read_text()
+
+
 def test_bash_runs_with_bash(open_server):
     r = call(open_server, code='read x; echo "${x^^}" ${BASH_VERSION:+bash}', language="bash", stdin="yo\n")
     assert r.status == RunStatus.Success and r.run_result.stdout == "YO bash\n"
@@ -189,6 +215,10 @@ def test_unknown_language_is_a_sandbox_error(open_server):
     (b'{"code": "1", "language": "python", "run_timeout": -1}', "run_timeout"),
     (b'{"code": "1", "language": "python", "files": {"a": "!!"}}', "not valid base64"),
     (b'{"code": "1", "language": "python", "fetch_files": [""]}', "non-empty string"),
+    # Past what a run can take: answered 400 naming the field (they crashed the run: "argument out of range").
+    (b'{"code": "1", "language": "python", "run_timeout": 1e400}', "run_timeout must be seconds in (0, 3600]"),
+    (b'{"code": "1", "language": "python", "compile_timeout": 1e300}', "compile_timeout must be seconds"),
+    (b'{"code": "1", "language": "python", "memory_limit_MB": 1000000000000000000000}', "memory_limit_MB must be"),
 ])
 def test_a_malformed_request_is_400_with_the_reason(open_server, body, says):
     r = requests.post(f"{open_server.url}/run_code", data=body, timeout=10)
@@ -280,6 +310,51 @@ def test_another_user_of_the_node_cannot_hold_the_servers_connections(open_serve
         mine.recv(1)
     mine.close()
     assert requests.get(f"{open_server.url}/health", timeout=10).status_code == 200
+
+
+TAKE_PORT = """
+import socket, sys
+taken = []
+for host in ("::", "::1", "127.0.0.1", "0.0.0.0"):
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
+    if family == socket.AF_INET6:
+        s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+    try:
+        s.bind((host, int(sys.argv[1])))
+        taken.append(host)
+    except OSError:
+        pass
+print(taken)
+"""
+
+
+def test_no_address_of_the_url_is_left_for_another_user(mbpp_store, tmp_path):
+    """Clients send the token to whatever answers at the URL. Listening on 0.0.0.0 left [::]:PORT free: another
+    user of the node took it, and a client reaching the node's name over IPv6 gave it the token; --host
+    localhost wrote `localhost` into the URL, which may resolve to ::1 first (red team). Now every address
+    family of a wildcard is ours, and a name is written as the number it was bound to."""
+    url_file = tmp_path / "url"
+    server = start(mbpp_store, tmp_path, "--host", "0.0.0.0", "--token-file", str(tmp_path / "token"),
+                   "--url-file", str(url_file))
+    try:
+        port = server.url.rsplit(":", 1)[1]
+        r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c",
+                            TAKE_PORT, port], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and r.stdout == "[]\n", (r.stdout, r.stderr)
+        assert url_file.read_text() == f"http://{__import__('socket').gethostname()}:{port}\n"
+        # IPv4 clients of the dual-stack socket are still told apart by user (idle connections let go).
+        r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c",
+                            HOLD, port], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and r.stdout == "200\n", (r.stdout, r.stderr)
+    finally:
+        server.stop()
+    url_file = tmp_path / "url2"
+    server = start(mbpp_store, tmp_path, "--host", "localhost", "--no-token", "--url-file", str(url_file))
+    try:
+        assert url_file.read_text() == f"http://127.0.0.1:{server.url.rsplit(':', 1)[1]}\n"
+    finally:
+        server.stop()
 
 
 def test_no_token_only_on_loopback(mbpp_store):
