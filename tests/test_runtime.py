@@ -380,6 +380,39 @@ def test_network_is_off_unless_asked(case, listener):
     assert on.stdout == b"connected\n", on
 
 
+# Offline, what a network-connected run sees of an address nobody answers on (a timeout) and of any other
+# (unreachable at once); a name's lookup fails at once.
+DIAL = """
+import errno, socket, time
+seen = []
+for host in ("10.255.255.1", "240.0.0.1", "192.0.2.1", "8.8.8.8"):
+    s = socket.socket(); s.settimeout(0.5); began = time.monotonic()
+    try:
+        s.connect((host, 80)); seen.append("connected")
+    except socket.timeout:
+        seen.append("timeout")
+    except OSError as e:
+        seen.append(errno.errorcode[e.errno] + (" at once" if time.monotonic() - began < 0.3 else ""))
+began = time.monotonic()
+try:
+    socket.getaddrinfo("example.org", 80); seen.append("resolved")
+except socket.gaierror:
+    seen.append("no name" + (" at once" if time.monotonic() - began < 0.3 else ""))
+print(seen)
+"""
+SILENT_OFFLINE = b"['timeout', 'timeout', 'timeout', 'ENETUNREACH at once', 'no name at once']\n"
+
+
+@pytest.mark.parametrize("case", ["kernel", "userns"], indirect=True)
+def test_offline_an_address_nobody_answers_times_out_as_with_a_network(case):
+    """Timeout tests dial an address nobody answers (requests' TestTimeout: 10.255.255.1) and expect a timeout,
+    as SWE-bench's networked harness gives them; offline the connect failed at once (unreachable) and the gold
+    patch of psf__requests-3362 read as failed. Each run's namespace (a new init's, a pooled one, a reused
+    init's next) routes those addresses into lo, and no other: everything else still fails at once."""
+    out = case.run(case.req(py(DIAL)), case.req(py(DIAL)), case.req(py(DIAL)))
+    assert [r.stdout for r in out] == [SILENT_OFFLINE] * 3, out
+
+
 @pytest.mark.parametrize("case", ["kernel", "userns"], indirect=True)
 def test_a_runs_closed_connections_are_not_the_next_runs_to_see(case):
     """A closed TCP connection waits a minute in TIME_WAIT, listed in /proc/net/tcp: in a network namespace

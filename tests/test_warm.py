@@ -196,6 +196,15 @@ print(sum(1 for line in open("/proc/net/tcp").read().splitlines()[1:]))
     assert (code, out) == (0, "[]\n")
 
 
+def test_offline_an_address_nobody_answers_times_out_as_with_a_network(pool):
+    """As a cold run's (test_runtime.py): a job's network namespace routes the addresses nobody answers on the
+    internet into lo, so timeout tests time out offline, and fails every other address at once."""
+    from tests.test_runtime import DIAL, SILENT_OFFLINE
+    for _ in range(2):
+        code, out, _ = job(pool, DIAL)
+        assert (code, out.encode()) == (0, SILENT_OFFLINE)
+
+
 def test_a_job_cannot_slow_down_the_next(pool):
     """A job that renices its scheduler autogroup (/proc/self/autogroup, or its zygote's) must not leave the
     next job at nice 19: each job has an autogroup of its own, and a zygote whose own was changed serves no

@@ -79,8 +79,8 @@ import time
 from .cgroups import Cgroups, locate_cgroups
 from .mounts import (CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWUSER, INIT_MISSING, MS_NODEV, MS_NOSUID,
                      MS_RDONLY, MS_REC, MS_SLAVE, PR_SET_PDEATHSIG, RootSpec, RunnerError, bind_readonly, dev_template,
-                     fuse_mount, hold_tree, init_program, loop_mount, loopback_up, map_root, mount, prctl, setns,
-                     umount, unshare)
+                     fuse_mount, hold_tree, init_program, loop_mount, map_root, mount, offline_network, prctl,
+                     setns, umount, unshare)
 
 __all__ = ["DEFAULT_MAX_PROCESSES", "IDLE_INIT", "encode_job", "holder_main", "job_message", "memfd_with",
            "recv_fds", "run_joined", "send_fds"]
@@ -414,7 +414,7 @@ class Holder:
             try:
                 for _ in range(_NETNS_BATCH):
                     unshare(CLONE_NEWNET)
-                    loopback_up()
+                    offline_network()
                     fd = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
                     send_fds(child, {}, [fd])
                     os.close(fd)

@@ -17,9 +17,10 @@ import struct
 import sys
 
 from image_builder.errors import ImageBuilderError
+from image_builder.runtime.zygote import offline_network  # one definition: zygote.py ships standalone
 
 __all__ = ["INIT_MISSING", "RootSpec", "RunnerError", "bind_readonly", "dev_template", "fuse_mount", "hold_tree",
-           "init_program", "loop_mount", "loopback_up", "map_root", "mount", "prctl", "read_file", "setns",
+           "init_program", "loop_mount", "map_root", "mount", "offline_network", "prctl", "read_file", "setns",
            "squashfuse", "umount", "unshare", "write_file"]
 
 
@@ -119,13 +120,6 @@ def bind_readonly(source: str, target: str) -> None:
     mount(source, target, None, MS_BIND | MS_REC)
     keep = sum(ms for st, ms in _KEEP_FLAGS if os.statvfs(target).f_flag & st)
     mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | keep)
-
-
-def loopback_up() -> None:
-    """A new network namespace has only lo, and it is down; tests still use 127.0.0.1."""
-    siocsifflags, up_loopback_running = 0x8914, 0x1 | 0x8 | 0x40
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        fcntl.ioctl(s, siocsifflags, struct.pack("16sH22x", b"lo", up_loopback_running))
 
 
 # --- layer mounts (holder side) ----------------------------------------------------------------
