@@ -1,6 +1,8 @@
 #!/bin/sh
 # Create a Python virtualenv and install packages into it, or install into the interpreter itself.
 #   PYTHON            interpreter to build the venv from (default: python3)
+#   PYTHON_VERSION    X.Y the interpreter must be (optional): a base of another Python fails here, in one
+#                     line, rather than later at a pin no release for it has (pip==26.3 on 3.9)
 #   VENV              where the venv goes (default: /opt/venv; put $VENV/bin first on PATH); one that
 #                     exists (an environment built on another) is installed into. Set but empty: no venv,
 #                     the interpreter's own site-packages are the environment's, as a conda env is
@@ -21,6 +23,14 @@
 #                     expected (optional)
 set -eu
 PYTHON="${PYTHON:-python3}"
+if [ -n "${PYTHON_VERSION:-}" ]; then
+    found=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null) || found="none"
+    if [ "$found" != "$PYTHON_VERSION" ]; then
+        echo "error: this base's $PYTHON is Python $found, not the $PYTHON_VERSION this environment needs;" \
+             "give a base with Python $PYTHON_VERSION (swebench catalog --python $PYTHON_VERSION=REF)" >&2
+        exit 1
+    fi
+fi
 VENV="${VENV-/opt/venv}"
 if [ -n "$VENV" ]; then
     [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"

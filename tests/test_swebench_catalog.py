@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,7 @@ def test_catalog_from_the_specs_layers_history_and_builds_each_instance_once(tmp
     assert envs["python-3.9"].env["VENV"] == "" and "/opt/venv" not in envs["python-3.9"].env["PATH"]
     assert envs[f"{slug}-3.0-deps"].env["PIP_UPLOADED_PRIOR_TO"] == "2024-07-04T00:00:00Z"
     assert envs["python-3.9"].env["PIP_VERSION"] == "pip==26.0.1", "the pip of Python 3.9 that takes a cut-off"
+    assert envs["python-3.9"].env["PYTHON_VERSION"] == "3.9", "a base of another Python fails in one line"
     # A compiler under every environment, as SWE-bench's base image has build-essential (a package without a
     # wheel builds: django's pywatchman), C sources in the repository or not.
     assert envs["python-3.9-cc"].parent == "python-3.9"
@@ -530,3 +532,16 @@ def test_a_specs_file_builds_a_repository_swebench_has_no_spec_for(tmp_path):
         last = r.stderr.strip().splitlines()[-1]
         assert last.startswith(f"Error: {specs}") and message in last, last
         assert not (tmp_path / "bad.yaml").exists()
+
+
+def test_a_base_of_another_python_is_one_line_before_anything_is_installed(tmp_path):
+    """--python 3.10=REF naming a base whose python3 is 3.9 failed at `pip==26.3` (no such release for 3.9), a
+    pip error that names neither the base nor the version; python-venv.sh now says which Python it found."""
+    script = Path(__file__).resolve().parents[1] / "env_scripts" / "python-venv.sh"
+    found = "%d.%d" % sys.version_info[:2]
+    r = subprocess.run(["sh", str(script)], capture_output=True, text=True, timeout=60, env={
+        "PATH": os.environ["PATH"], "PYTHON": sys.executable, "PYTHON_VERSION": "3.10" if found != "3.10" else "3.9",
+        "VENV": str(tmp_path / "venv"), "PIP_VERSION": "pip==26.3"})
+    assert r.returncode == 1 and not (tmp_path / "venv").exists()
+    assert r.stderr.startswith(f"error: this base's {sys.executable} is Python {found}, not the 3.")
+    assert "--python 3." in r.stderr and len(r.stderr.splitlines()) == 1

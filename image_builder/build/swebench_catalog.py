@@ -507,7 +507,7 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
                 environments.append({"name": python_env, "base": base, "scripts": ["apt-packages.sh", "python-venv.sh"],
                                      "env": {"APT_PACKAGES": opts.apt, "VENV": "", "PATH": PATH,
                                              "PIP_BREAK_SYSTEM_PACKAGES": "1",  # PEP 668: the image is the env
-                                             "PIP_VERSION": pip}})
+                                             "PIP_VERSION": pip, "PYTHON_VERSION": spec.python}})
             # Every environment sits on a compiler layer, as every SWE-bench image has build-essential: not only
             # repositories with C sources (astropy) build, their packages may have no wheel (django 4.1's
             # tests/requirements/py3.txt names pywatchman, an sdist with a C extension).
