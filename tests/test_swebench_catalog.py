@@ -144,6 +144,7 @@ def test_with_a_conda_channel_an_environment_yml_is_solved_by_conda(tmp_path):
     assert [s.name for s in deps.scripts] == ["conda-env.sh"]
     assert deps.env["CONDA_CHANNELS"] == "https://conda.example/conda-forge https://conda.example/extra"
     assert deps.env["CONDA_PYTHON"] == "3.10" and deps.env["CONDA_EXCLUDE_NEWER"] == "2023-06-29T00:00:00Z"
+    assert "PYTHON_VERSION" not in envs["python-3.10"].env, "conda brings the interpreter: any base's python3 does"
     assert deps.env["PATH"].startswith("/opt/conda/envs/testbed/bin:")
     assert "numpy==1.23.0" in deps.env["PYTHON_PACKAGES"], "the spec's pip_packages, over the conda environment"
     assert (deps.context / "conda-specs.txt").read_text().splitlines() == [

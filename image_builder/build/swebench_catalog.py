@@ -504,10 +504,13 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
             pip = opts.pip or spec.pip
             if python_env not in python_envs:
                 python_envs.add(python_env)
+                env = {"APT_PACKAGES": opts.apt, "VENV": "", "PATH": PATH,
+                       "PIP_BREAK_SYSTEM_PACKAGES": "1",  # PEP 668: the image is the env
+                       "PIP_VERSION": pip}
+                if not (u.environment_yml and opts.conda_channels):  # else conda brings the interpreter
+                    env["PYTHON_VERSION"] = spec.python
                 environments.append({"name": python_env, "base": base, "scripts": ["apt-packages.sh", "python-venv.sh"],
-                                     "env": {"APT_PACKAGES": opts.apt, "VENV": "", "PATH": PATH,
-                                             "PIP_BREAK_SYSTEM_PACKAGES": "1",  # PEP 668: the image is the env
-                                             "PIP_VERSION": pip, "PYTHON_VERSION": spec.python}})
+                                     "env": env})
             # Every environment sits on a compiler layer, as every SWE-bench image has build-essential: not only
             # repositories with C sources (astropy) build, their packages may have no wheel (django 4.1's
             # tests/requirements/py3.txt names pywatchman, an sdist with a C extension).
