@@ -198,8 +198,8 @@ static int mkdirs(const char *path) {
    10.255.255.1, the address timeout tests dial: requests', urllib3's): routed into lo, where
    nothing takes them, so a connect there times out as it does with a network, and the tests
    that expect a timeout see one (requests' TestTimeout failed offline with "unreachable"). No
-   name server is in them, so a name's lookup still fails at once. The same in zygote.py and
-   mounts.py (for the holder's pooled namespaces). */
+   name server is in them, so a name's lookup still fails at once. The same list in zygote.py,
+   whose offline_network() the holder's pooled namespaces take too. */
 static const struct { const char *net; int bits; } SILENT_NETS[] = {
     {"10.255.255.1", 32}, {"240.0.0.0", 8}, {"192.0.2.0", 24}, {"198.51.100.0", 24}, {"203.0.113.0", 24}};
 
