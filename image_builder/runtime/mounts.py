@@ -12,7 +12,6 @@ import ctypes
 import errno
 import fcntl
 import os
-import socket
 import struct
 import sys
 
