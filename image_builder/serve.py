@@ -664,7 +664,10 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def _listen(family: int, address: tuple, dual_stack: bool) -> socket.socket:
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as exc:  # a kernel without IPv6 (ipv6.disable=1)
+        raise ServeError(f"cannot listen on {address[0]} ({exc.strerror})") from None
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if family == socket.AF_INET6:
         sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0 if dual_stack else 1)
