@@ -98,8 +98,8 @@ def special_casing(solution: str, cases: tuple[str, ...], prompt: str = "") -> l
         text = text or repr(value)
         return next((line for s, line in strings if len(text) > 2 and text in s), None)
 
-    evidence = []
-    for e in expectations(cases):
+    evidence, told, asked = [], set(), expectations(cases)
+    for e in asked:
         # The whole argument list written as one key (a tuple literal of several, or its repr in a string) is
         # a table of the tests whatever it maps to; one argument alone counts beside an uncommon expected value.
         key = None if all(repr(a) in COMMON for a in e.args) else (
@@ -113,10 +113,10 @@ def special_casing(solution: str, cases: tuple[str, ...], prompt: str = "") -> l
             evidence.append(f"special-casing: case {e.case}'s arguments ({shown[:80]}) "
                             + ("as one key " if key is not None else f"and expected value {repr(e.expected)[:60]} ")
                             + f"are written into the solution ({where})")
+            told.add(e.case)
     # A table keyed by something computed at run time (a hash of the arguments) holds the answers alone: the
     # cases' distinctive expected values, most of them, written into the solution.
-    told = {int(line.split("case ", 1)[1].split("'", 1)[0]) for line in evidence}
-    distinctive = [e for e in expectations(cases) if _distinctive(e)]
+    distinctive = [e for e in asked if _distinctive(e)]
     written = [(e, line) for e in distinctive if e.case not in told and (line := seen(e.expected)) is not None]
     if len({_canon(e.expected) for e, _ in written}) >= 2 and 2 * len(written) >= len(distinctive):
         shown = ", ".join(f"case {e.case}'s {repr(e.expected)[:40]} (line {line})" for e, line in written[:4])
