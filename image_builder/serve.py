@@ -649,11 +649,9 @@ def listen(host: str, port: int) -> socket.socket:
     --host 0.0.0.0 another user took [::]:PORT, and clients of the node's name reached over IPv6 gave it
     their token). So all addresses listen dual-stack on [::] where the host has IPv6, and a name listens
     on the one address it resolves to first, which url_of then writes by number."""
-    if host in WILDCARDS and socket.has_ipv6:
-        try:
-            return _listen(socket.AF_INET6, ("::", port), dual_stack=True)
-        except ServeError:
-            pass  # IPv6 off on this host: nobody can listen there either
+    if host in WILDCARDS and _has_ipv6():
+        # No falling back to 0.0.0.0 when [::]:PORT is taken: that is the half of the URL someone else holds.
+        return _listen(socket.AF_INET6, ("::", port), dual_stack=True)
     family, address = socket.AF_INET, ("0.0.0.0", port)
     if host not in WILDCARDS:
         try:
@@ -663,11 +661,17 @@ def listen(host: str, port: int) -> socket.socket:
     return _listen(family, address[:2], dual_stack=False)
 
 
-def _listen(family: int, address: tuple, dual_stack: bool) -> socket.socket:
+def _has_ipv6() -> bool:
+    """Whether this kernel makes IPv6 sockets (not with ipv6.disable=1: nobody can listen there either)."""
     try:
-        sock = socket.socket(family, socket.SOCK_STREAM)
-    except OSError as exc:  # a kernel without IPv6 (ipv6.disable=1)
-        raise ServeError(f"cannot listen on {address[0]} ({exc.strerror})") from None
+        socket.socket(socket.AF_INET6, socket.SOCK_STREAM).close()
+    except OSError:
+        return False
+    return True
+
+
+def _listen(family: int, address: tuple, dual_stack: bool) -> socket.socket:
+    sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if family == socket.AF_INET6:
         sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0 if dual_stack else 1)

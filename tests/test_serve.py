@@ -357,6 +357,32 @@ def test_no_address_of_the_url_is_left_for_another_user(mbpp_store, tmp_path):
         server.stop()
 
 
+SQUAT = """
+import socket, sys, time
+s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+s.bind(("::", 0)); s.listen(8)
+print(s.getsockname()[1], flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_port_another_user_holds_on_ipv6_is_not_served_on_ipv4_alone(mbpp_store, tmp_path):
+    """If [::]:PORT is taken, listening on 0.0.0.0:PORT alone gives another user the IPv6 half of the node's
+    URL again: the server refuses to start, in one line, rather than fall back to IPv4."""
+    squatter = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3",
+                                 "-c", SQUAT], stdout=subprocess.PIPE, text=True)
+    try:
+        port = squatter.stdout.readline().strip()
+        r = subprocess.run([str(EXE), "serve", "--store", str(mbpp_store), "--host", "0.0.0.0", "--port", port,
+                            "--token-file", str(tmp_path / "token")], capture_output=True, text=True, timeout=60)
+    finally:
+        squatter.kill()
+        squatter.wait()
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"cannot listen on :::{port} (Address already in use)" in r.stderr
+
+
 def test_no_token_only_on_loopback(mbpp_store):
     r = subprocess.run([str(EXE), "serve", "--store", str(mbpp_store), "--no-token", "--host", "0.0.0.0"],
                        capture_output=True, text=True, timeout=60)
