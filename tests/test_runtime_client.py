@@ -117,7 +117,7 @@ def test_a_squatted_holder_name_is_given_up_for_a_new_one(mbpp_store, backend, v
 
 # --- 2. the default state dir, made first by another user --------------------------------------------
 
-@pytest.mark.xdist_group("other-user-state-dir")  # one parametrization at a time: they share /tmp/image_builder-OTHER
+@pytest.mark.xdist_group("other-user-state-dir")  # one at a time: they share /tmp/image_builder-OTHER (conftest)
 @pytest.mark.parametrize("plant", ["foreign", "open", "symlink"])
 def test_a_planted_state_dir_is_refused_in_one_line(mbpp_store, plant):
     """Without XDG_RUNTIME_DIR the state dir is /tmp/image_builder-UID: another user can
