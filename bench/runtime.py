@@ -163,7 +163,11 @@ def cli_run(work: Path, img: dict) -> float:
     write_index(store, Index({"env": EnvRecord("env", "envs/env.sif", env, 0, "bench", key, key, 0, {})},
                              {"inst": InstanceRecord("inst", "env", "instances/inst.sqfs", inst, 0, key)}))
     cmd = [str(ROOT / ".venv/bin/image-builder"), "run", "--store", str(store), "inst", "--", *PASS]
-    timed(cmd, repeat=3)  # the first run mounts and checks the images once; the holder lingers for the next ones
+    # The first run mounts and checks the images once, and starts the CLI server (cli_server.py);
+    # the holder and the server linger for the next ones.
+    timed(cmd, repeat=3)
+    time.sleep(2)  # the server's imports, before it binds its name
+    timed(cmd, repeat=3)
     return timed(cmd, repeat=21)
 
 
@@ -283,18 +287,19 @@ def main(rounds: int = 40) -> Report:
                                    throughput(lambda: subprocess.run(isolated, check=True)), "", "runs/s"))
             report.rows.append(Row("CLI: image-builder run ID python3 -c pass, fresh process (kernel, warm)",
                                    cli_run(work, img) * 1000, "ch-run FILE.sqfs", ms["ch-run FILE.sqfs"],
-                                   "< 100 ms", "ms"))
+                                   "<= 1.0x", "ms"))
             report.rows.append(Row("CLI: image-builder sandbox exec ID python3 -c pass, fresh process (kernel)",
                                    cli_sandbox_exec(work) * 1000, "ch-run FILE.sqfs", ms["ch-run FILE.sqfs"],
                                    "<= 1.0x", "ms"))
             ours_imports, modules = import_times([str(ROOT / ".venv/bin/image-builder"), "run", "--store",
                                                   str(work / "store"), "inst", "--", *PASS])
             bare_imports, _ = import_times(["-c", "pass"])
-            report.rows.append(Row("CLI run path: imports (python -X importtime, cumulative)", ours_imports[""],
+            report.rows.append(Row("CLI run, served: the client's imports (python -X importtime, cumulative)",
+                                   ours_imports[""],
                                    "the bare interpreter's (python -c pass)", bare_imports[""], "", "ms"))
             heaviest = sorted(((t, n) for n, t in ours_imports.items() if n and n not in bare_imports), reverse=True)
             loaded = [n for n in HEAVY if any(m == n or m.startswith(n + ".") for m in modules)]
-            report.notes.append("run path imports beyond the bare interpreter's, heaviest first: "
+            report.notes.append("a served run's client imports beyond the bare interpreter's, heaviest first: "
                                 + ", ".join(f"{n} {t:.1f} ms" for t, n in heaviest[:4])
                                 + f"; runtime dependencies loaded: {', '.join(loaded) or 'none'}")
         for _, worker_ in userns:
@@ -304,7 +309,9 @@ def main(rounds: int = 40) -> Report:
             f"{rounds} interleaved rounds, medians; load average at the end {load[0]:.1f} (a shared machine)",
             "root: chroot, ours kernel, bwrap, bare python; uid 65534: ours userns, ch-run (timed in-process there)",
             "ours: a session's run (RunRequest, stdin /dev/null, output captured); chroot etc.: subprocess.run",
-            "the warm rows are a session's run; the CLI row is a whole fresh `image-builder run` process",
+            "the warm rows are a session's run; the CLI row is a whole fresh `image-builder run` process, served by "
+            "the CLI server (cli_server.py) the first runs started; the checkout's venv is an editable install, "
+            "whose import finder costs every fresh process about 12 ms that a `pip install` does not",
             "userns: layers mounted with squashfuse_cached (image_builder/runtime/native, built by make: the kernel caches "
             "opens, listings and symlinks, and answers xattr queries on an image without any); userns, "
             "squashfuse_ll: Debian's squashfuse_ll, a FUSE round trip for each of those; userns, unpacked: the environment unpacked once into a local directory (unpack_dir, "

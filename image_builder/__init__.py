@@ -12,7 +12,7 @@ The sub-packages are the pipeline; each may import the ones before it, never one
     graders/  grade candidates in instances: asserts, stdio, SWE-bench; grading, rewards
     devtools/ the demo, a local registry, debootstrap bases (not on any run path)
     cli, slurm  on top: the command line and job arrays (entry: the console script, `run` on a
-                fast path through cli_run that imports no click)
+                fast path through cli_run that imports no click, served warm by cli_server)
 
 tests/test_layout.py keeps this true.
 """

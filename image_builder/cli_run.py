@@ -132,6 +132,29 @@ def run(instance, command, store, timeout, memory, net, binds, env_vars, workdir
     exit_as(result, timeout)
 
 
+def as_click_would(command) -> None:
+    """As click runs the command: an ImageBuilderError is one `Error: ...` line and status 1,
+    Ctrl-C `Aborted!` and 1; a usage error (no default command) goes back to click for its message."""
+    import errno
+
+    from image_builder.errors import ImageBuilderError
+    try:
+        command()
+    except NoCommand:
+        return  # click says it, with the usage line
+    except ImageBuilderError as e:
+        print("Error: " + " ".join(str(e).splitlines()), file=sys.stderr, flush=True)
+        sys.exit(1)
+    except (KeyboardInterrupt, EOFError):
+        print(file=sys.stderr)
+        print("Aborted!", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except OSError as e:
+        if e.errno != errno.EPIPE:
+            raise
+        sys.exit(1)
+
+
 # --- the fast path's parser: click's reading of `run`'s argv, for the argv it accepts -----------------
 
 _VALUED = {"--store": "store", "--timeout": "timeout", "--memory": "memory", "--bind": "binds", "-e": "env_vars",

@@ -319,13 +319,13 @@ def test_a_state_dir_inside_a_directory_others_can_rename_it_in_is_refused(mbpp_
 
 
 def test_a_state_dir_of_ours_that_others_can_only_read_is_narrowed_to_700(tmp_path):
-    from image_builder.runtime.backends import private_state_dir
+    from image_builder.runtime.statedir import private_state_dir
     from image_builder.runtime.mounts import RunnerError
     readable = tmp_path / "readable"
     readable.mkdir(mode=0o755)
     readable.chmod(0o755)
-    assert private_state_dir(readable) == readable and (readable.stat().st_mode & 0o777) == 0o700
-    made = private_state_dir(tmp_path / "a" / "new")
+    assert private_state_dir(readable) == str(readable) and (readable.stat().st_mode & 0o777) == 0o700
+    made = Path(private_state_dir(tmp_path / "a" / "new"))
     assert (made.stat().st_mode & 0o777) == 0o700
     (tmp_path / "link").symlink_to(made)
     with pytest.raises(RunnerError, match="is a symlink"):

@@ -25,7 +25,6 @@ open_session() is the entry point: it picks the backend and hands the layers to 
 from __future__ import annotations
 
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from .holder import DEFAULT_MAX_PROCESSES
 from .holder_session import HolderSession
 from .mounts import INIT_MISSING, RunnerError, init_program, squashfuse
 from .session import Backend, InstanceLayers, Session
+from .statedir import default_state_dir, private_state_dir
 
 
 @dataclass(frozen=True)
@@ -42,70 +42,6 @@ class DoctorLine:
     check: str
     ok: bool
     detail: str
-
-
-def default_state_dir() -> Path:
-    """Per user, on local disk: $XDG_RUNTIME_DIR/image_builder, else /tmp/image_builder-UID."""
-    runtime_dir = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime_dir and os.path.isdir(runtime_dir):
-        return Path(runtime_dir) / "image_builder"
-    return Path(f"/tmp/image_builder-{os.getuid()}")
-
-
-def private_state_dir(path: Path) -> Path:
-    """`path`, made mode 700 if missing; refused (RunnerError) if it is a symlink, is
-    another user's or writable by others: /tmp/image_builder-UID is a name anyone can
-    take first, and a planted holder.log symlink would make us append wherever it points.
-    Our own directory that only lets others read is narrowed to 700: no one else can
-    have put anything in it. Refused too inside a directory another user could rename it
-    out of (check_ancestors)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path = Path(os.path.realpath(path.parent)) / path.name  # the directories checked are the ones used
-    fix = "set XDG_RUNTIME_DIR to a directory of yours (mode 700)"
-    check_ancestors(path, fix)
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as e:
-        why = "a symlink" if os.path.islink(path) else f"not usable ({e.strerror})"
-        raise RunnerError(f"state dir {path} is {why}: another user may control it; remove it, or {fix}") from None
-    try:
-        st = os.fstat(fd)
-        mode = stat.S_IMODE(st.st_mode)
-        if st.st_uid != os.geteuid():
-            why, fix = f"owned by uid {st.st_uid}, not by us", f"{fix}, or have its owner remove it"
-        elif mode & 0o022:
-            why, fix = f"mode {mode:o}, writable by others", f"remove it (others may have put files in it), or {fix}"
-        else:
-            if mode != 0o700:
-                os.fchmod(fd, 0o700)
-            return path
-    finally:
-        os.close(fd)
-    raise RunnerError(f"state dir {path} is {why}: another user may control it; {fix}")
-
-
-def check_ancestors(path: Path, fix: str, what: str = "state dir", itself: bool = False) -> None:
-    """Refuse a state dir whose parents another user could rename it out of: each one up
-    to / must be root's or ours, and writable by others only if sticky (as /tmp is), as
-    OpenSSH checks the paths of its keys. A private dir of ours is otherwise swapped
-    after the check (XDG_RUNTIME_DIR is the user's to set, on HPC often a shared dir).
-    `itself`: `path` too, writable by no one else even if sticky (a sandbox's layer dir)."""
-    for d in (path, *path.parents) if itself else path.parents:
-        st = os.lstat(d)
-        mode = stat.S_IMODE(st.st_mode)
-        if st.st_uid not in (0, os.geteuid()):
-            why = f"owned by uid {st.st_uid}"
-        elif mode & 0o022 and (d == path or not mode & stat.S_ISVTX):
-            why = f"mode {mode:o}, writable by others" + ("" if d == path else " and not sticky")
-        else:
-            continue
-        where, swapped = ("", "files in it") if d == path else (f"inside {d}, ", "it")
-        raise RunnerError(f"{what} {path} is {where}{why}: another user may swap {swapped}; {fix}")
 
 
 # --- what this host can do ------------------------------------------------------------------
@@ -219,7 +155,7 @@ def checked_state_dir(layers: InstanceLayers, state_dir: Path | None) -> Path:
     (with digests) checked on this node."""
     if not Path(layers.env_sif).is_file():
         raise RunnerError(f"environment image {layers.env_sif} not found; build or pull it first")
-    state_dir = private_state_dir(Path(state_dir) if state_dir else default_state_dir())
+    state_dir = Path(private_state_dir(state_dir or default_state_dir()))
     if layers.digests:
         from .checked import check_layers
 

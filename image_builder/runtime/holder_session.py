@@ -18,11 +18,11 @@ from .execution import Bind, RunRequest, RunResult
 from .holder import IDLE_INIT, PROTOCOL, encode_job, recv_fds, run_joined, send_fds
 from .mounts import RootSpec, RunnerError
 from .session import Backend, InstanceLayers, Session, build_job, build_result, collect, job_descriptors
+from .statedir import TOKEN, read_token
 
 _REPORT_GRACE = 30.0  # seconds past a run's timeout before its silence is an error
 
 
-_TOKEN = "holder.token"  # in the state dir (mode 700): the secret part of the holder's socket name
 _NAME_ENV = "IMAGE_BUILDER_HOLDER_SOCKET"  # how the name reaches the holder: argv is public, environ is not
 
 
@@ -30,19 +30,7 @@ class _Squatted(Exception):
     """The holder's socket name is taken by a process that is not our holder."""
 
 
-def _read_token(state_dir: Path) -> str | None:
-    try:
-        fd = os.open(Path(state_dir, _TOKEN), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        raise RunnerError(f"cannot read {Path(state_dir, _TOKEN)}: {e.strerror}; remove it") from None
-    with os.fdopen(fd) as f:
-        token = f.read().strip()
-    return token if len(token) == 32 and all(c in "0123456789abcdef" for c in token) else None
-
-
-def _new_token(state_dir: Path, stale: str | None) -> str:
+def new_token(state_dir: Path, stale: str | None) -> str:
     """Replace the token `stale` (None: none yet) with a random one, unless another
     process did meanwhile: then theirs, so that both start the same holder."""
     import fcntl
@@ -51,11 +39,11 @@ def _new_token(state_dir: Path, stale: str | None) -> str:
     lock = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        current = _read_token(state_dir)
+        current = read_token(state_dir)
         if current is not None and current != stale:
             return current
         token = secrets.token_hex(16)
-        tmp = Path(state_dir, f"{_TOKEN}.{os.getpid()}")
+        tmp = Path(state_dir, f"{TOKEN}.{os.getpid()}")
         try:
             os.unlink(tmp)  # a crashed writer's, with our pid
         except FileNotFoundError:
@@ -63,7 +51,7 @@ def _new_token(state_dir: Path, stale: str | None) -> str:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(token + "\n")
-        os.replace(tmp, Path(state_dir, _TOKEN))
+        os.replace(tmp, Path(state_dir, TOKEN))
         return token
     finally:
         os.close(lock)
@@ -76,7 +64,7 @@ def holder_name(state_dir: Path, kernel: bool, token: str | None = None) -> str:
     its process: a dead holder leaves no socket file behind."""
     import zlib
 
-    token = token or _read_token(state_dir) or _new_token(state_dir, None)
+    token = token or read_token(state_dir) or new_token(state_dir, None)
     kind = "kernel" if kernel else "userns"
     key = f"{sys.version}:{kind}:{PROTOCOL}"
     return f"image-builder-{os.getuid()}-{token}-{zlib.crc32(key.encode()):08x}-{kind}"
@@ -165,7 +153,7 @@ def _unpacked(cache: Path, env_sif: Path, offset: int):
 def _open_on_holder(state_dir: Path, kernel: bool, msg: dict) -> tuple[socket.socket, dict]:
     """Send a session's open to the holder (started if none runs): its connection and
     reply. A name found taken by someone else is given up for a new token's."""
-    token = _read_token(state_dir) or _new_token(state_dir, None)
+    token = read_token(state_dir) or new_token(state_dir, None)
     for _attempt in range(6):
         name = holder_name(state_dir, kernel, token)
         try:
@@ -178,7 +166,7 @@ def _open_on_holder(state_dir: Path, kernel: bool, msg: dict) -> tuple[socket.so
                     continue
         except _Squatted as e:
             _note(state_dir, f"{e}; the holder moves to a new name")
-            token = _new_token(state_dir, token)
+            token = new_token(state_dir, token)
             continue
         try:
             send_fds(conn, msg)
@@ -427,7 +415,7 @@ class NoHolder(RunnerError):
 def holder_request(state_dir: Path, kernel: bool, msg: dict, fds: int = 0) -> tuple[socket.socket, dict, list[int]]:
     """Send `msg` to the running holder (none is started: NoHolder); its connection,
     answer and descriptors."""
-    token = _read_token(state_dir)
+    token = read_token(state_dir)
     try:
         if token is None:
             raise ConnectionRefusedError

@@ -84,7 +84,8 @@ class Sandbox:
                  binds: tuple[Bind, ...] = (), network: bool = False, memory_mb: int | None = None,
                  max_processes: int = DEFAULT_MAX_PROCESSES, disk_mb: int | None = None,
                  idle: float = DEFAULT_IDLE, unpack_dir: Path | None = None, layer_dir: Path | None = None):
-        from .backends import check_ancestors, checked_state_dir
+        from .backends import checked_state_dir
+        from .statedir import check_ancestors
         from .holder_session import HolderSession
 
         backend = _sandbox_backend(backend)
@@ -357,9 +358,9 @@ def _sandbox_backend(backend: Backend | None) -> Backend:
 
 def _holder_of(backend: Backend | None, state_dir: Path | None) -> tuple[Backend, Path]:
     """The backend and this user's state dir, where a parked sandbox's holder is found."""
-    from .backends import default_state_dir, private_state_dir
+    from .statedir import default_state_dir, private_state_dir
 
-    return _sandbox_backend(backend), private_state_dir(Path(state_dir) if state_dir else default_state_dir())
+    return _sandbox_backend(backend), Path(private_state_dir(state_dir or default_state_dir()))
 
 
 def kept_sandboxes(*, backend: Backend | None = None, state_dir: Path | None = None) -> list[dict]:

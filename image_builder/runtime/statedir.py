@@ -1,0 +1,101 @@
+"""This user's state dir (the holder's log, its socket name's token, checked layers), found
+and checked with `os` alone: the CLI's thin client (cli_server.py) reads it before
+importing anything else. Paths are strings here for that reason (pathlib costs 5 ms)."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+TOKEN = "holder.token"  # in the state dir (mode 700): the secret part of the holder's socket name
+
+
+def _refuse(message: str):
+    from .mounts import RunnerError  # the error path only: mounts imports ctypes
+
+    raise RunnerError(message)
+
+
+def default_state_dir() -> str:
+    """Per user, on local disk: $XDG_RUNTIME_DIR/image_builder, else /tmp/image_builder-UID."""
+    runtime_dir = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime_dir and os.path.isdir(runtime_dir):
+        return os.path.join(runtime_dir, "image_builder")
+    return f"/tmp/image_builder-{os.getuid()}"
+
+
+def private_state_dir(path: str | os.PathLike) -> str:
+    """`path`, made mode 700 if missing; refused (RunnerError) if it is a symlink, is
+    another user's or writable by others: /tmp/image_builder-UID is a name anyone can
+    take first, and a planted holder.log symlink would make us append wherever it points.
+    Our own directory that only lets others read is narrowed to 700: no one else can
+    have put anything in it. Refused too inside a directory another user could rename it
+    out of (check_ancestors)."""
+    parent, name = os.path.split(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    path = os.path.join(os.path.realpath(parent), name)  # the directories checked are the ones used
+    fix = "set XDG_RUNTIME_DIR to a directory of yours (mode 700)"
+    check_ancestors(path, fix)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        why = "a symlink" if os.path.islink(path) else f"not usable ({e.strerror})"
+        _refuse(f"state dir {path} is {why}: another user may control it; remove it, or {fix}")
+    try:
+        st = os.fstat(fd)
+        mode = stat.S_IMODE(st.st_mode)
+        if st.st_uid != os.geteuid():
+            why, fix = f"owned by uid {st.st_uid}, not by us", f"{fix}, or have its owner remove it"
+        elif mode & 0o022:
+            why, fix = f"mode {mode:o}, writable by others", f"remove it (others may have put files in it), or {fix}"
+        else:
+            if mode != 0o700:
+                os.fchmod(fd, 0o700)
+            return path
+    finally:
+        os.close(fd)
+    _refuse(f"state dir {path} is {why}: another user may control it; {fix}")
+
+
+def check_ancestors(path: str | os.PathLike, fix: str, what: str = "state dir", itself: bool = False) -> None:
+    """Refuse a state dir whose parents another user could rename it out of: each one up
+    to / must be root's or ours, and writable by others only if sticky (as /tmp is), as
+    OpenSSH checks the paths of its keys. A private dir of ours is otherwise swapped
+    after the check (XDG_RUNTIME_DIR is the user's to set, on HPC often a shared dir).
+    `itself`: `path` too, writable by no one else even if sticky (a sandbox's layer dir)."""
+    path = os.path.abspath(path)
+    chain, d = [], path
+    while True:
+        d = os.path.dirname(d)
+        chain.append(d)
+        if d == "/":
+            break
+    for d in [path, *chain] if itself else chain:
+        st = os.lstat(d)
+        mode = stat.S_IMODE(st.st_mode)
+        if st.st_uid not in (0, os.geteuid()):
+            why = f"owned by uid {st.st_uid}"
+        elif mode & 0o022 and (d == path or not mode & stat.S_ISVTX):
+            why = f"mode {mode:o}, writable by others" + ("" if d == path else " and not sticky")
+        else:
+            continue
+        where, swapped = ("", "files in it") if d == path else (f"inside {d}, ", "it")
+        _refuse(f"{what} {path} is {where}{why}: another user may swap {swapped}; {fix}")
+
+
+def read_token(state_dir: str | os.PathLike) -> str | None:
+    """The holder's token from `state_dir` (already checked private), or None if there is none yet."""
+    path = os.path.join(state_dir, TOKEN)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        _refuse(f"cannot read {path}: {e.strerror}; remove it")
+    with os.fdopen(fd) as f:
+        token = f.read().strip()
+    return token if len(token) == 32 and all(c in "0123456789abcdef" for c in token) else None
