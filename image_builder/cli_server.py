@@ -11,7 +11,7 @@ thin client below imports `os`, `_socket` and `marshal` only.
   does (cli_run), so the output goes straight from the run to the client's descriptors
   and the exit status is the same (124 on a timeout, 141 on a closed pipe...).
 - Either end checks the other is this user (SO_PEERCRED), as with the holder; the server
-  also serves only a client in its own mount namespace (the paths must mean the same).
+  also serves only a client in its own mount namespace and root (the paths must mean the same).
   The socket name carries the state dir's token: a client finds only the server of its
   own state dir.
 - Anything the server cannot take (no server yet, a name held by someone else, argv the
@@ -193,8 +193,8 @@ def serve(state: str) -> None:
         last = time.monotonic()
         with conn:
             pid, uid, _gid = _peer(conn)
-            try:
-                same_ns = os.readlink(f"/proc/{pid}/ns/mnt") == own_ns
+            try:  # its paths mean ours: the same mount namespace and root (not a chroot)
+                same_ns = os.readlink(f"/proc/{pid}/ns/mnt") == own_ns and os.readlink(f"/proc/{pid}/root") == "/"
             except OSError:
                 same_ns = False
             if uid != os.getuid() or not same_ns:
