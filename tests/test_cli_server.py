@@ -49,6 +49,19 @@ def wait_for_server(xdg: Path, timeout: float = 30.0) -> None:
     raise AssertionError("no CLI server was started")
 
 
+@pytest.fixture
+def server(mbpp_store):
+    """A root state dir of its own (XDG_RUNTIME_DIR) whose CLI server is up; stopped after."""
+    xdg = private_dir(None)
+    try:
+        cli("run", "--store", str(mbpp_store), "512", "--", "true", user=None, xdg=xdg)
+        wait_for_server(xdg)
+        yield xdg
+    finally:
+        stop_holders_of(xdg)
+        subprocess.run(["rm", "-rf", str(xdg)])
+
+
 @pytest.mark.parametrize("backend, user", CASES)
 def test_a_served_run_is_the_fast_paths_run(mbpp_store, backend, user, tmp_path):
     xdg = private_dir(user)
@@ -81,31 +94,24 @@ def test_a_served_run_is_the_fast_paths_run(mbpp_store, backend, user, tmp_path)
         subprocess.run(["rm", "-rf", str(xdg), str(out)])
 
 
-def test_ctrl_c_and_a_killed_client_stop_the_served_run(mbpp_store):
-    xdg = private_dir(None)
+def test_ctrl_c_and_a_killed_client_stop_the_served_run(mbpp_store, server):
     store = str(mbpp_store)
-    try:
-        cli("run", "--store", store, "512", "--", "true", user=None, xdg=xdg)
-        wait_for_server(xdg)
-        for how in (signal.SIGINT, signal.SIGKILL):
-            mark = f"{how.value}.{time.monotonic_ns() % 100000}"  # a sleep of its own, to find on the host
-            proc = subprocess.Popen([str(EXE), "run", "--store", store, "512", "--", "sleep", mark],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env(xdg), cwd="/")
-            deadline = time.monotonic() + 30
-            while not sleeping(mark):
-                assert time.monotonic() < deadline, "the run never started"
-                time.sleep(0.05)
-            proc.send_signal(how)
-            proc.wait(30)
-            if how == signal.SIGINT:
-                assert proc.returncode == 1 and proc.stderr.read().endswith(b"Aborted!\n")
-            deadline = time.monotonic() + 15
-            while sleeping(mark):
-                assert time.monotonic() < deadline, f"the run outlived its client ({how.name})"
-                time.sleep(0.1)
-    finally:
-        stop_holders_of(xdg)
-        subprocess.run(["rm", "-rf", str(xdg)])
+    for how in (signal.SIGINT, signal.SIGKILL):
+        mark = f"{how.value}.{time.monotonic_ns() % 100000}"  # a sleep of its own, to find on the host
+        proc = subprocess.Popen([str(EXE), "run", "--store", store, "512", "--", "sleep", mark],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env(server), cwd="/")
+        deadline = time.monotonic() + 30
+        while not sleeping(mark):
+            assert time.monotonic() < deadline, "the run never started"
+            time.sleep(0.05)
+        proc.send_signal(how)
+        proc.wait(30)
+        if how == signal.SIGINT:
+            assert proc.returncode == 1 and proc.stderr.read().endswith(b"Aborted!\n")
+        deadline = time.monotonic() + 15
+        while sleeping(mark):
+            assert time.monotonic() < deadline, f"the run outlived its client ({how.name})"
+            time.sleep(0.1)
 
 
 def sleeping(mark: str) -> bool:
@@ -150,27 +156,23 @@ except (OSError, socket.timeout) as e:
 """
 
 
-def test_another_user_can_neither_use_nor_fake_the_server(mbpp_store):
+def test_another_user_can_neither_use_nor_fake_the_server(mbpp_store, server):
     from image_builder.cli_server import _name
     from image_builder.runtime.statedir import read_token
-    xdg = private_dir(None)
     public = private_dir(NOBODY)
-    store = str(mbpp_store)
     try:
-        cli("run", "--store", store, "512", "--", "true", user=None, xdg=xdg)
-        wait_for_server(xdg)
-        name = _name(read_token(xdg / "image_builder"))
+        name = _name(read_token(server / "image_builder"))
         target = public / "touched"
         r = subprocess.run(as_user(NOBODY, [sys.executable, "-c", INTRUDER, name, str(target)]), capture_output=True,
                            text=True, timeout=60)
         assert r.stdout.strip() == "b''", (r.stdout, r.stderr)  # closed unanswered
         assert not target.exists()
-        stop_holders_of(xdg)  # the server gone, the intruder takes its name
+        stop_holders_of(server)  # the server gone, the intruder takes its name
         squat = subprocess.Popen(as_user(NOBODY, [sys.executable, "-c", SQUATTER, name]), stdout=subprocess.PIPE,
                                  text=True)
         try:
             assert squat.stdout.readline() == "bound\n"
-            t = traced("run", "--store", store, "512", "--", "echo", "mine", user=None, xdg=xdg)
+            t = traced("run", "--store", str(mbpp_store), "512", "--", "echo", "mine", user=None, xdg=server)
             assert (t.returncode, t.stdout) == (0, "mine\n") and not served(t), t.stderr[-2000:]
             squat.wait(30)
             assert squat.stdout.read().startswith("nothing"), "the client sent its request to another user"
@@ -178,20 +180,11 @@ def test_another_user_can_neither_use_nor_fake_the_server(mbpp_store):
             squat.kill()
             squat.wait()
     finally:
-        stop_holders_of(xdg)
-        subprocess.run(["rm", "-rf", str(xdg), str(public)])
+        subprocess.run(["rm", "-rf", str(public)])
 
 
-def test_a_client_in_another_mount_namespace_runs_its_command_itself(mbpp_store):
-    xdg = private_dir(None)
-    store = str(mbpp_store)
-    try:
-        cli("run", "--store", store, "512", "--", "true", user=None, xdg=xdg)
-        wait_for_server(xdg)
-        r = subprocess.run(["unshare", "--mount", sys.executable, "-X", "importtime", str(EXE), "run", "--store", store,
-                            "512", "--", "echo", "ok"], capture_output=True, text=True, env=cli_env(xdg), cwd="/",
-                           timeout=300)
-        assert (r.returncode, r.stdout) == (0, "ok\n") and THIN in r.stderr, r.stderr[-2000:]
-    finally:
-        stop_holders_of(xdg)
-        subprocess.run(["rm", "-rf", str(xdg)])
+def test_a_client_in_another_mount_namespace_runs_its_command_itself(mbpp_store, server):
+    r = subprocess.run(["unshare", "--mount", sys.executable, "-X", "importtime", str(EXE), "run", "--store",
+                        str(mbpp_store), "512", "--", "echo", "ok"], capture_output=True, text=True,
+                       env=cli_env(server), cwd="/", timeout=300)
+    assert (r.returncode, r.stdout) == (0, "ok\n") and THIN in r.stderr, r.stderr[-2000:]
