@@ -128,6 +128,7 @@ def _start_server(state: str) -> None:
         os.dup2(null, 0)
         os.dup2(null, 1)
         os.dup2(log, 2)
+        os.chdir("/")  # it holds no directory of the first client's
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         boot = f"import sys; sys.path[:0] = [{root!r}]; from image_builder.cli_server import serve; serve(sys.argv[1])"
         os.execv(sys.executable, [sys.executable, "-c", boot, state])
@@ -228,13 +229,13 @@ def _work(conn) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     argv = request["argv"]
-    params = cli_run.parse(argv[1:]) if argv[0] == "run" else cli_run.parse_exec(argv[2:])
-    if params is None:  # click's to answer (--help, a usage error): the client's own path
+    try:
+        os.chdir(request["cwd"])  # first: parse reads relative paths (--store) as the client would
+    except OSError:
         conn.send(marshal.dumps({"fallback": True}))
         os._exit(0)
-    try:
-        os.chdir(request["cwd"])
-    except OSError:
+    params = cli_run.parse(argv[1:]) if argv[0] == "run" else cli_run.parse_exec(argv[2:])
+    if params is None:  # click's to answer (--help, a usage error): the client's own path
         conn.send(marshal.dumps({"fallback": True}))
         os._exit(0)
     os.umask(request["umask"])

@@ -86,6 +86,11 @@ def test_a_served_run_is_the_fast_paths_run(mbpp_store, backend, user, tmp_path)
         assert served(j) and j.returncode == 0, j.stderr[-2000:]
         assert (out / "o" / "stdout").read_text() == "hi\n"
         assert (out / "o" / "stdout").stat().st_mode & 0o777 == 0o600
+        # a relative --store is the client's directory's
+        argv = as_user(user, ["sh", "-c", f"cd {mbpp_store.parent} && exec {sys.executable} -X importtime {EXE} run "
+                                          f"--store {mbpp_store.name} --backend {backend} 512 -- echo relative"])
+        rel = subprocess.run(argv, capture_output=True, text=True, env=cli_env(xdg), timeout=300)
+        assert served(rel) and (rel.returncode, rel.stdout) == (0, "relative\n"), rel.stderr[-2000:]
         # argv the fast path leaves to click is click's, as without a server
         bad = traced("run", "--store", store, "--max-output", "lots", "512", "--", "true", user=user, xdg=xdg)
         assert bad.returncode == 2 and "expected a byte count" in bad.stderr and "Traceback" not in bad.stderr
