@@ -2,8 +2,9 @@
 
 Each command imports what it needs when it runs, so a command that starts
 often (running a grader) does not pay for the registry client or rich. The
-console script is image_builder.entry: `run` with valid options goes through
-cli_run without importing click at all; everything else comes here.
+console script is image_builder.entry: `run` and `sandbox exec` with valid options
+go to the CLI server (cli_server) or through cli_run without importing click at all;
+everything else comes here.
 """
 
 from __future__ import annotations

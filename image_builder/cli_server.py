@@ -82,6 +82,10 @@ def served(argv: list[str]) -> int | None:
         if isinstance(e, ConnectionRefusedError) and e.errno is not None:  # nothing listens: none runs
             _start_server(state)
         return None
+    except KeyboardInterrupt:  # Ctrl-C before the worker took the command: it sees us go and stops
+        conn.close()
+        print("\nAborted!", file=sys.stderr, flush=True)
+        return 1
     if not taken or marshal.loads(taken).get("fallback"):
         conn.close()
         return None
