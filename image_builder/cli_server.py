@@ -39,20 +39,13 @@ def _name(token: str) -> str:
     return f"image-builder-cli-{os.getuid()}-{token}-{zlib.crc32(key.encode()):08x}"
 
 
-def _peer(conn) -> tuple[int, int, int]:
-    import _socket
-
-    creds = conn.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, 12)
-    return tuple(int.from_bytes(creds[i:i + 4], sys.byteorder, signed=True) for i in (0, 4, 8))
-
-
 # --- the thin client ----------------------------------------------------------------------------------
 
 
 def served(argv: list[str]) -> int | None:
     """Run argv (`run ...` or `sandbox exec ...`) on this user's CLI server: its exit
     status, or None when the caller must run it itself (the server is started for next time)."""
-    from image_builder.runtime.statedir import default_state_dir, private_state_dir, read_token
+    from image_builder.runtime.statedir import default_state_dir, peer, private_state_dir, read_token
     try:
         state = private_state_dir(default_state_dir())
         token = read_token(state)
@@ -67,7 +60,7 @@ def served(argv: list[str]) -> int | None:
     conn = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
     try:
         conn.connect(b"\0" + _name(token).encode())
-        if _peer(conn)[1] != os.getuid():
+        if peer(conn)[1] != os.getuid():
             raise PermissionError("another user's socket")
         for fd in (0, 1, 2):
             os.fstat(fd)  # all three open, else the caller's own path deals with it
@@ -79,7 +72,7 @@ def served(argv: list[str]) -> int | None:
         taken = conn.recv(64)
     except OSError as e:
         conn.close()
-        if isinstance(e, ConnectionRefusedError) and e.errno is not None:  # nothing listens: none runs
+        if isinstance(e, ConnectionRefusedError):  # nothing listens: none runs
             _start_server(state)
         return None
     except KeyboardInterrupt:  # Ctrl-C before the worker took the command: it sees us go and stops
@@ -126,9 +119,9 @@ def _start_server(state: str) -> None:
         os.setsid()
         if os.fork():
             os._exit(0)
+        from image_builder.runtime.statedir import open_log
         null = os.open(os.devnull, os.O_RDWR)
-        log = os.open(os.path.join(state, "holder.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW,
-                      0o600)
+        log = open_log(state)
         os.dup2(null, 0)
         os.dup2(null, 1)
         os.dup2(log, 2)
@@ -159,7 +152,7 @@ def serve(state: str) -> None:
     import image_builder.store.store  # noqa: F401
     from image_builder import cli_run  # noqa: F401
     from image_builder.runtime.holder_session import new_token
-    from image_builder.runtime.statedir import private_state_dir, read_token
+    from image_builder.runtime.statedir import peer, private_state_dir, read_token
 
     state = private_state_dir(state)
     token = read_token(state) or new_token(state, None)
@@ -197,7 +190,7 @@ def serve(state: str) -> None:
             continue
         last = time.monotonic()
         with conn:
-            pid, uid, _gid = _peer(conn)
+            pid, uid, _gid = peer(conn)
             try:  # its paths mean ours: the same mount namespace and root (not a chroot)
                 same_ns = os.readlink(f"/proc/{pid}/ns/mnt") == own_ns and os.readlink(f"/proc/{pid}/root") == "/"
             except OSError:

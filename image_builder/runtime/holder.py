@@ -81,6 +81,7 @@ from .mounts import (CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWUSER, INI
                      MS_RDONLY, MS_REC, MS_SLAVE, PR_SET_PDEATHSIG, RootSpec, RunnerError, bind_readonly, dev_template,
                      fuse_mount, hold_tree, init_program, loop_mount, map_root, mount, offline_network, prctl,
                      setns, umount, unshare)
+from .statedir import peer
 
 __all__ = ["DEFAULT_MAX_PROCESSES", "IDLE_INIT", "encode_job", "holder_main", "job_message", "memfd_with",
            "recv_fds", "run_joined", "send_fds"]
@@ -689,7 +690,7 @@ class Holder:
 
     def _accept(self) -> None:
         conn, _ = self.listener.accept()
-        uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+        uid = peer(conn)[1]
         if uid != os.getuid():
             conn.close()
             return

@@ -8,7 +8,6 @@ from __future__ import annotations
 import errno
 import os
 import socket
-import struct
 import sys
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ from .execution import Bind, RunRequest, RunResult
 from .holder import IDLE_INIT, PROTOCOL, encode_job, recv_fds, run_joined, send_fds
 from .mounts import RootSpec, RunnerError
 from .session import Backend, InstanceLayers, Session, build_job, build_result, collect, job_descriptors
-from .statedir import TOKEN, read_token
+from .statedir import TOKEN, open_log, peer, read_token
 
 _REPORT_GRACE = 30.0  # seconds past a run's timeout before its silence is an error
 
@@ -76,7 +75,7 @@ def _connect(name: str) -> socket.socket:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         conn.connect(b"\0" + name.encode())
-        uid = _peer(conn)[1]
+        uid = peer(conn)[1]
     except OSError as e:
         conn.close()
         # A socket of another type with the name (older kernels: one abstract namespace for every type).
@@ -89,22 +88,8 @@ def _connect(name: str) -> socket.socket:
     return conn
 
 
-def _peer(conn: socket.socket) -> tuple[int, int, int]:
-    """(pid, uid, gid) of the process at the other end."""
-    return struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-
-
-def _log(state_dir: Path) -> int:
-    """holder.log, opened to append; never through a symlink planted in its place."""
-    path = Path(state_dir, "holder.log")
-    try:
-        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError as e:
-        raise RunnerError(f"cannot open {path}: {e.strerror}; remove it") from None
-
-
 def _note(state_dir: Path, text: str) -> None:
-    fd = _log(state_dir)
+    fd = open_log(state_dir)
     try:
         os.write(fd, f"image-builder: {text}\n".encode())
     finally:
@@ -122,7 +107,7 @@ def _start_holder(state_dir: Path, kernel: bool, name: str) -> str:
     # -S: no site-packages scan; the holder needs the standard library and this package only.
     boot = f"import os, sys; sys.path[:0] = [{root!r}]; from image_builder.runtime.holder import holder_main; " \
            f"holder_main(sys.argv[1:] + [os.environ.pop({_NAME_ENV!r})])"
-    log = _log(state_dir)
+    log = open_log(state_dir)
     try:
         proc = subprocess.Popen([sys.executable, "-S", "-E", "-c", boot, "kernel" if kernel else "userns",
                                  str(state_dir)], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -237,7 +222,7 @@ class HolderSession(Session):
                 unpacked.release()  # the holder holds the tree from its mount on
         self._conn = conn
         self._spec = reply["spec"]
-        self._holder_pid = _peer(conn)[0]
+        self._holder_pid = peer(conn)[0]
         self._lock = threading.Lock()
         self._ready: dict[bool, list[tuple[float, socket.socket]]] = {False: [], True: []}  # (received, init)
         self._asked = {False: 0, True: 0}

@@ -1,13 +1,16 @@
 """This user's state dir (the holder's log, its socket name's token, checked layers), found
-and checked with `os` alone: the CLI's thin client (cli_server.py) reads it before
-importing anything else. Paths are strings here for that reason (pathlib costs 5 ms)."""
+and checked with `os` alone, and who is at the other end of a socket to this user's holder
+or CLI server: the CLI's thin client (cli_server.py) needs them before importing anything
+else. Paths are strings here for that reason (pathlib costs 5 ms)."""
 
 from __future__ import annotations
 
 import os
 import stat
+import sys
 
 TOKEN = "holder.token"  # in the state dir (mode 700): the secret part of the holder's socket name
+LOG = "holder.log"  # in the state dir: what the holder and the CLI server say
 
 
 def _refuse(message: str):
@@ -99,3 +102,20 @@ def read_token(state_dir: str | os.PathLike) -> str | None:
     with os.fdopen(fd) as f:
         token = f.read().strip()
     return token if len(token) == 32 and all(c in "0123456789abcdef" for c in token) else None
+
+
+def open_log(state_dir: str | os.PathLike) -> int:
+    """holder.log, opened to append; never through a symlink planted in its place."""
+    path = os.path.join(state_dir, LOG)
+    try:
+        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        _refuse(f"cannot open {path}: {e.strerror}; remove it")
+
+
+def peer(conn) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of the Unix socket `conn` (SO_PEERCRED)."""
+    import _socket  # not socket: its enums cost the thin client 4 ms
+
+    creds = conn.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, 12)
+    return tuple(int.from_bytes(creds[i:i + 4], sys.byteorder, signed=True) for i in (0, 4, 8))
