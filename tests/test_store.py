@@ -57,11 +57,14 @@ class Stack:
     def __init__(self, tmp: Path, env_sif: Path, overlays: tuple[Path, ...]):
         self.tmp, self.points = tmp, []
         lowers = []
-        for i, (path, offset) in enumerate([(env_sif, partition_offset(env_sif)[0])] +
-                                           [(p, 0) for p in overlays]):
+        # offset and sizelimit as the holder's loop devices have them: mount(8) then shares one the holder
+        # holds on the same file ("overlapping loop device exists" otherwise, with a store in use)
+        for i, (path, (offset, size)) in enumerate([(env_sif, partition_offset(env_sif))] +
+                                                   [(p, (0, 0)) for p in overlays]):
             point = tmp / f"layer{i}"
             point.mkdir()
-            subprocess.run(["mount", "-t", "squashfs", "-o", f"loop,ro,offset={offset}", str(path), str(point)],
+            limit = f",sizelimit={size}" if size else ""
+            subprocess.run(["mount", "-t", "squashfs", "-o", f"loop,ro,offset={offset}{limit}", str(path), str(point)],
                            check=True)
             self.points.append(point)
             lowers.insert(0, str(point))
