@@ -85,9 +85,10 @@ def full_image_bytes(store: Path, index_instances: list[str], work: Path) -> int
 def existing_store(store: Path, report: Report) -> None:
     """A store built elsewhere (the held-out SWE-bench kinds, from repositories fetched by hand:
     `python -m bench.store --existing STORE`): its bytes against one full image per instance."""
-    index = Store.open(store).index
     opened = Store.open(store)
-    files = {f for i in index.instances for f in (opened.resolve(i).env_sif, *opened.resolve(i).overlays)}
+    index = opened.index
+    resolved = [opened.resolve(i) for i in index.instances]
+    files = {f for r in resolved for f in (r.env_sif, *r.overlays)}
     store_bytes = sum(f.stat().st_size for f in files)
     inst = sorted(i.size for i in index.instances.values())
     with tempfile.TemporaryDirectory(prefix="ib-bench-full-", dir="/var/tmp") as tmp:
