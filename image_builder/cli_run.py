@@ -307,3 +307,15 @@ def sandbox_exec(sandbox_id, command, timeout, env_vars, cwd, max_output, backen
         except BrokenPipeError:
             sys.exit(141)
     exit_as(result, timeout)
+
+
+def fast_command(argv: list[str]):
+    """`run ...` or `sandbox exec ...` (argv after the program name) as a call of its body, for
+    as_click_would; None when click must read argv (another command, --help, a usage error)."""
+    if argv[:1] == ["run"]:
+        body, params = run, parse(argv[1:])
+    elif argv[:2] == ["sandbox", "exec"]:
+        body, params = sandbox_exec, parse_exec(argv[2:])
+    else:
+        return None
+    return None if params is None else lambda: body(**params)

@@ -231,8 +231,8 @@ def _work(conn) -> None:
     except OSError:
         conn.send(marshal.dumps({"fallback": True}))
         os._exit(0)
-    params = cli_run.parse(argv[1:]) if argv[0] == "run" else cli_run.parse_exec(argv[2:])
-    if params is None:  # click's to answer (--help, a usage error): the client's own path
+    command = cli_run.fast_command(argv)
+    if command is None:  # click's to answer (--help, a usage error): the client's own path
         conn.send(marshal.dumps({"fallback": True}))
         os._exit(0)
     os.umask(request["umask"])
@@ -255,9 +255,8 @@ def _work(conn) -> None:
                 signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
     threading.Thread(target=watch, daemon=True).start()
-    body = cli_run.run if argv[0] == "run" else cli_run.sandbox_exec
     try:
-        cli_run.as_click_would(lambda: body(**params))
+        cli_run.as_click_would(command)
         sys.argv = ["image-builder", *argv]  # it returned: a usage error (no command), click's to say
         from image_builder.cli import main
         main()

@@ -22,13 +22,8 @@ def main() -> None:
         if status is not None:
             sys.exit(status)
         from image_builder import cli_run
-        if argv[0] == "run":
-            params = cli_run.parse(argv[1:])
-            if params is not None:
-                cli_run.as_click_would(lambda: cli_run.run(**params))
-        else:
-            params = cli_run.parse_exec(argv[2:])
-            if params is not None:
-                cli_run.as_click_would(lambda: cli_run.sandbox_exec(**params))
+        command = cli_run.fast_command(argv)
+        if command is not None:
+            cli_run.as_click_would(command)
     from image_builder.cli import main as click_main
     click_main()
