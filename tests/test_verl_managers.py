@@ -296,31 +296,26 @@ def _all_at_once(fn, batch) -> list[tuple[float, dict]]:
 
 
 def _pools_made_during(call) -> tuple[object, list[StoreExecutors]]:
-    """call()'s result and the StoreExecutors that came to exist while it ran (gc watched every
-    millisecond; those of earlier tests, which a failure's traceback may keep, left out), with threads
-    switching as often as they can: a creation that can race does."""
-    before = {id(o) for o in gc.get_objects() if isinstance(o, StoreExecutors)}
-    seen: dict[int, object] = {}
-    stop = threading.Event()
+    """call()'s result and every StoreExecutors made while it ran (its constructor recorded), with
+    threads switching as often as they can: a creation that can race does. (A watcher thread
+    polling gc.get_objects() did this before: the list it took held a reference to a tuple another
+    thread was still building, and CPython's tuple() then failed with SystemError.)"""
+    made: list[StoreExecutors] = []
+    original = StoreExecutors.__init__
 
-    def watch():
-        while not stop.is_set():
-            for o in gc.get_objects():
-                if isinstance(o, StoreExecutors) and id(o) not in before:
-                    seen[id(o)] = o  # kept: an id is never reused while we watch
-            time.sleep(0.001)
+    def recording(self, *args, **kwargs):
+        made.append(self)
+        original(self, *args, **kwargs)
 
-    watcher = threading.Thread(target=watch, daemon=True)
     interval = sys.getswitchinterval()
+    StoreExecutors.__init__ = recording
     sys.setswitchinterval(1e-6)
     try:
-        watcher.start()
         result = call()
     finally:
         sys.setswitchinterval(interval)
-        stop.set()
-        watcher.join()
-    return result, list(seen.values())
+        StoreExecutors.__init__ = original
+    return result, made
 
 
 def test_reward_loop_runs_the_plain_function_on_threads(store_env):
