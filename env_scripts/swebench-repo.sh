@@ -1,11 +1,14 @@
 #!/bin/sh
 # The repository layers of a SWE-bench environment (swebench catalog): first the history a repository's
 # versions share, then per version the commits up to a merge-base of its instances, checked out in the
-# workdir and installed, as SWE-bench's setup_repo.sh does per instance. Each instance then checks out its
-# own base commit over it (swebench-instance.sh).
+# workdir and installed, as SWE-bench's setup_repo.sh does per instance; then the version's checkpoints
+# (build/checkpoints.py), each over the version's checkout or an earlier checkpoint: the commits up to one
+# instance's base commit, checked out as an instance checks out, installed again only where the install
+# files changed. Each instance then checks out its own base commit over them (swebench-instance.sh).
 #   REPO_BUNDLE   a bundle of refs/heads/image-builder and the tags on its history; without the file there
 #                 is nothing to add (optional)
 #   BASE_COMMIT   the commit to check out (optional: a history layer has no checkout)
+#   REINSTALL_WHEN  a checkpoint's: git pathspecs whose change makes the install below it stale
 #   WORKDIR       where the repository goes (default: /testbed)
 #   PRE_INSTALL   shell commands run in the checkout before installing (optional)
 #   EVAL_SETUP    shell commands SWE-bench runs before each test run that set up the system, not the
@@ -40,21 +43,17 @@ if [ -n "${REPO_BUNDLE:-}" ] && [ -f "$REPO_BUNDLE" ]; then
         "+refs/tags/*:refs/tags/*"
     git update-ref -d refs/heads/image-builder
 fi
-if [ -n "${BASE_COMMIT:-}" ]; then
-    git -c advice.detachedHead=false checkout -q --detach "$BASE_COMMIT"
-fi
-if [ -n "${PRE_INSTALL:-}" ]; then sh -ec "$PRE_INSTALL"; fi
-if [ -n "${EVAL_SETUP:-}" ]; then sh -ec "$EVAL_SETUP"; fi
-if [ -n "${INSTALL:-}" ]; then
-    # With the environment's packages held as they are: an install at this merge-base that would change them
-    # (an older commit asking for an older astroid than the spec's requirements pin) is left to each
-    # instance, at its own commit over the untouched environment, as SWE-bench installs.
-    # With INSTALL_AS_INSTANCES=1 every instance has this commit's install files (the catalog checked), so
-    # an install that changes the packages is what each of them would do: done here, once.
+# Install with the environment's packages held as they are: an install at this commit that would change them
+# (an older commit asking for an older astroid than the spec's requirements pin) is left to each instance,
+# at its own commit over the untouched environment, as SWE-bench installs. .git/image-builder-installed
+# records what was installed, for the layers above.
+install_held() {
     python -m pip freeze --exclude-editable > /tmp/held.txt
     if PIP_CONSTRAINT=/tmp/held.txt sh -ec "$INSTALL"; then
         git rev-parse HEAD > .git/image-builder-installed
     elif [ "${INSTALL_AS_INSTANCES:-}" = 1 ]; then
+        # Every instance has this commit's install files (the catalog checked): an install that changes the
+        # packages is what each of them would do, done here once.
         echo "image-builder: installing at $BASE_COMMIT changes the environment's packages, as each instance" \
             "(all have these install files) would: installing here" >&2
         sh -ec "$INSTALL"
@@ -63,4 +62,30 @@ if [ -n "${INSTALL:-}" ]; then
         echo "image-builder: installing at $BASE_COMMIT would change the environment's packages; each instance installs at its own commit" >&2
     fi
     rm -f /tmp/held.txt
+}
+if [ -n "${BASE_COMMIT:-}" ] && git rev-parse -q --verify HEAD >/dev/null; then
+    # A checkpoint, over a checkout: PRE_INSTALL's edits carry over where this commit leaves their files as
+    # they were (else a clean checkout and PRE_INSTALL again, as swebench-instance.sh does); the version's
+    # layer ran EVAL_SETUP.
+    set -f  # the pathspecs are git's globs, not the shell's
+    stale=0
+    git diff --quiet HEAD "$BASE_COMMIT" -- ${REINSTALL_WHEN:-setup.py setup.cfg pyproject.toml} || stale=1
+    set +f
+    [ -f .git/image-builder-installed ] || stale=1
+    if ! git -c advice.detachedHead=false checkout -q --detach "$BASE_COMMIT" 2>/dev/null; then
+        git -c advice.detachedHead=false checkout -q -f --detach "$BASE_COMMIT"
+        if [ -n "${PRE_INSTALL:-}" ]; then sh -ec "$PRE_INSTALL"; fi
+        stale=1
+    fi
+    if [ "$stale" = 1 ] && [ -n "${INSTALL:-}" ]; then
+        rm -f .git/image-builder-installed
+        INSTALL_AS_INSTANCES= install_held
+    fi
+    exit 0
 fi
+if [ -n "${BASE_COMMIT:-}" ]; then
+    git -c advice.detachedHead=false checkout -q --detach "$BASE_COMMIT"
+fi
+if [ -n "${PRE_INSTALL:-}" ]; then sh -ec "$PRE_INSTALL"; fi
+if [ -n "${EVAL_SETUP:-}" ]; then sh -ec "$EVAL_SETUP"; fi
+if [ -n "${INSTALL:-}" ]; then install_held; fi

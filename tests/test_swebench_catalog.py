@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from image_builder.build.catalog import load
+from image_builder.build.checkpoints import DEPTH, place
 from tests.conftest import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -200,7 +201,11 @@ def test_no_layer_holds_a_commit_its_instance_may_not_see(tmp_path):
     """SWE-bench hides every commit after the base commit (the fix among them): the layers an instance
     stacks (history, version, instance) must hold only ancestors of its base commit."""
     assert generate(tmp_path, MARSHMALLOW).returncode == 0
-    cat = load(tmp_path / "swe.yaml")
+    assert_only_ancestors(tmp_path, load(tmp_path / "swe.yaml"))
+
+
+def assert_only_ancestors(tmp_path: Path, cat) -> None:
+    """Every bundle of an instance's layers holds only its base commit and that commit's ancestors."""
     for inst in cat.instances.values():
         repo = tmp_path / f"check-{inst.id}"
         git(tmp_path, "init", "-q", str(repo))
@@ -220,6 +225,74 @@ def test_no_layer_holds_a_commit_its_instance_may_not_see(tmp_path):
         commits = {line.split()[1] for line in objects.splitlines() if line.startswith("commit ")}
         visible = set(git(repo, "rev-list", base).split())
         assert commits and commits <= visible, f"{inst.id}: {len(commits - visible)} commits after its base"
+
+
+def test_a_dense_version_puts_its_later_instances_on_checkpoints(tmp_path):
+    """Instances far along a version's history sit on a checkpoint (an earlier instance's base commit, a layer
+    of its own) instead of each holding every commit since the version's merge-base; still no layer holds a
+    commit after its instance's base."""
+    mirror = tmp_path / "marshmallow"
+    subprocess.run(["git", "clone", "-q", "--mirror", str(DATA / "repos/marshmallow.bundle"), str(mirror)], check=True)
+    row = [json.loads(line) for line in MARSHMALLOW.read_text().splitlines()][1]
+    tip = row["base_commit"]
+    first, far, near = (git(mirror, "rev-parse", f"{tip}~{n}").strip() for n in (290, 40, 0))
+    assert int(git(mirror, "rev-list", "--count", f"{first}..{far}")) > 200 >= \
+        int(git(mirror, "rev-list", "--count", f"{far}..{near}"))
+    dataset = tmp_path / "dense.jsonl"
+    dataset.write_text("".join(json.dumps({**row, "instance_id": f"marshmallow-code__marshmallow-{i}",
+                                           "base_commit": commit}) + "\n"
+                               for i, commit in ((3, near), (1, first), (2, far))))
+    r = run_cli("swebench", "catalog", str(dataset), "--repos", str(tmp_path), "-o", str(tmp_path / "swe.yaml"),
+                "--python", "3.9=registry.example/python:3.9", "--cutoff", "2024-07-04")
+    assert r.returncode == 0, r.stderr
+    cat = load(tmp_path / "swe.yaml")
+    version = "marshmallow-code__marshmallow-3.0"
+    checkpoint = cat.environments[f"{version}-at-{far[:12]}"]
+    assert checkpoint.parent == version and checkpoint.env["BASE_COMMIT"] == far
+    assert checkpoint.env["REINSTALL_WHEN"] and [s.name for s in checkpoint.scripts] == ["swebench-repo.sh"]
+    assert {i: inst.environment for i, inst in cat.instances.items()} == {
+        "marshmallow-code__marshmallow-1": version, "marshmallow-code__marshmallow-2": checkpoint.name,
+        "marshmallow-code__marshmallow-3": checkpoint.name}
+    assert_only_ancestors(tmp_path, cat)
+    # The near instance's own bundle: only the commits since the checkpoint; the far one's: none.
+    near_inst = cat.instances["marshmallow-code__marshmallow-3"]
+    verified = subprocess.run(["git", "bundle", "verify", str(near_inst.context / "commits.bundle")], cwd=mirror,
+                              capture_output=True, text=True)
+    assert verified.returncode == 0, verified.stderr
+    required = verified.stdout.partition("requires these")[2].split()[2:]
+    assert required and all(subprocess.run(["git", "-C", str(mirror), "merge-base", "--is-ancestor", commit, far]
+                                           ).returncode == 0 for commit in required if len(commit) == 40), required
+    assert not int(git(mirror, "rev-list", "--count", far, *(f"^{c}" for c in required if len(c) == 40))), \
+        "it needs nothing the checkpoint does not hold, and holds no commit of the checkpoint's"
+    assert not (cat.instances["marshmallow-code__marshmallow-2"].context / "commits.bundle").exists()
+
+
+def test_checkpoints_follow_the_line_of_history_and_stop_at_its_depth():
+    """Commits as numbers on one line (c is an ancestor of d when c <= d), but for a branch b1, b2 off 250."""
+    branch = {"b1": (250, 1), "b2": (250, 2)}
+
+    def at(c: str) -> tuple[int, int]:  # (position on the line, how far along the branch)
+        return branch[c] if c in branch else (int(c), 0)
+
+    def is_ancestor(a: str, b: str) -> bool:
+        (pa, ba), (pb, bb) = at(a), at(b)
+        return a == b or (ba == 0 and pa <= pb) or (a in branch and b in branch and ba <= bb)
+
+    def count(a: str, b: str) -> int:
+        (pa, ba), (pb, bb) = at(a), at(b)
+        return pb - pa + bb - ba
+
+    order = ["0", "100", "250", "300", "b1", "b2", "500", "750", "1000", "1250", "1500", "1750", "2000"]
+    placed = dict(zip(order, place(order, "0", is_ancestor, count)))
+    where = {c: p.commit if p else None for c, p in placed.items()}
+    assert where["0"] is None and where["100"] is None, "within GAP of the version's checkout"
+    assert where["250"] == "250" and where["300"] == "250", "a new checkpoint, and one sitting on it"
+    assert where["b1"] == "250" and where["b2"] == "250", "a branch off the checkpoint sits on it"
+    assert where["500"] == "500" and placed["500"].parent.commit == "250", "the line goes on past the branch"
+    depth = lambda p: 1 + depth(p.parent) if p else 0  # noqa: E731
+    assert max(depth(p) for p in placed.values()) == DEPTH
+    assert DEPTH == 6 and where["1500"] == "1500" and where["1750"] == where["2000"] == "1500", \
+        "no checkpoint past DEPTH: the last one carries the rest"
 
 
 def test_specs_that_cannot_be_honoured_are_reported_per_instance(tmp_path):

@@ -48,7 +48,8 @@ def test_dev_instances_build_thin_and_gold_resolves(tmp_path, registries, debian
     assert r.returncode == 0 and "13 repository environments, 23 instances (0 left out)" in r.stdout, r.stderr
     build = BuildOptions(store=tmp_path / "store", cache=BlobCache(tmp_path / "cache"),
                          registry=RegistryOptions(ca_cert=registries.tls.cert))
-    summary = build_store(load(tmp_path / "swe/dev.yaml"), StoreBuildOptions(build, jobs=2))
+    catalog = load(tmp_path / "swe/dev.yaml")
+    summary = build_store(catalog, StoreBuildOptions(build, jobs=2))
     assert not summary.failed, [(f.message, f.tail[-5:]) for f in summary.failed]
     # pytest 5.0 and 5.2 pin the same packages: one image for both.
     assert ("pytest-dev__pytest-5.0-deps", ["pytest-dev__pytest-5.2-deps"]) in summary.shared, summary.shared
@@ -56,9 +57,15 @@ def test_dev_instances_build_thin_and_gold_resolves(tmp_path, registries, debian
     store = Store.open(tmp_path / "store")
     index = store.index
     assert len({e.sif for e in index.environments.values()}) == 1, "one Python base under every environment"
+    def checkpoints(name: str | None) -> int:  # the checkpoint layers an environment stacks (checkpoints.py)
+        return 0 if name is None else ("-at-" in name) + checkpoints(catalog.environments[name].parent)
+
+    # pytest 5.4's e6e300e sits on 7b77fc0's checkpoint; pylint 2.15's e907020 and pytest 7.0's e2ee314 are one.
+    assert sum(checkpoints(inst.environment) for inst in index.instances.values()) == 4
     for inst in index.instances.values():
         resolved = store.resolve(inst.id)
-        assert len(resolved.layers) == 6, "python (the sif), then compiler, history, deps, version, instance overlays"
+        # python (the sif), then compiler, history, deps, version, checkpoints, instance overlays
+        assert len(resolved.layers) == 6 + checkpoints(inst.environment)
         files = overlay_files(resolved.overlays[-1])
         objects = {path: size for path, size in files.items() if path.startswith("testbed/.git/objects/")}
         below = {path: size for layer in resolved.overlays[:-1] for path, size in overlay_files(layer).items()

@@ -14,15 +14,22 @@ as layers, each stored once however many environments share it:
         <repo>-<version>           the repository's history up to the merge-base
                                    of its instances' base commits, checked out
                                    there, pre_install, install
-          <instance>               the checkout of base_commit: only the files
+          <repo>-<version>-at-<c>  checkpoints: the commits up to one instance's
+            ...                    base commit c, checked out (and installed
+                                   again where the install files changed), each
+                                   on the one before it on the same line
+            <instance>             the checkout of base_commit: only the files
                                    that differ, git's index, and the objects
-                                   between the merge-base and base_commit
+                                   between the nearest checkpoint and base_commit
 
 History is cut where SWE-bench cuts it: an environment holds only commits that
 every one of its instances may see (ancestors of each base commit), and an
 instance adds only its own base commit's ancestors, so no instance can read a
-later commit (the fix) out of `.git`. Tags come with the commits they point at
-(SWE-bench keeps tags older than the base commit; here: tags reachable from it).
+later commit (the fix) out of `.git`. A checkpoint is itself an instance's base
+commit, and only instances whose base commits descend from it sit on it, so the
+rule holds through them (checkpoints.py says where they go, and why). Tags come
+with the commits they point at (SWE-bench keeps tags older than the base commit;
+here: tags reachable from it).
 Every instance's repository is pruned to its HEAD's history after its script as
 well (repo_history.py, for catalogs written by hand): here it only drops reflogs.
 
@@ -66,6 +73,7 @@ from typing import Any
 import yaml
 
 from image_builder.build.catalog import ENV_NAME
+from image_builder.build.checkpoints import Checkpoint, place
 from image_builder.build.environment_yml import EnvironmentYml, EnvironmentYmlError, pip_requirements, \
     read_environment_yml
 from image_builder.build.upload_dates import DEFAULT_INDEX, UploadDateError, UploadDates, day_after, iso, \
@@ -349,6 +357,19 @@ class Repository:
         return subprocess.run(["git", "--git-dir", str(self.git_dir), "diff", "--quiet", a, b, "--", *pathspecs],
                               capture_output=True).returncode == 0
 
+    def is_ancestor(self, a: str, b: str) -> bool:
+        return subprocess.run(["git", "--git-dir", str(self.git_dir), "merge-base", "--is-ancestor", a, b],
+                              capture_output=True).returncode == 0
+
+    def count(self, a: str, b: str) -> int:
+        """The commits in b's history and not in a's."""
+        return int(self._git("rev-list", "--count", f"{a}..{b}"))
+
+    def oldest_first(self, commits: list[str]) -> list[str]:
+        """The commits by committer date (then name), each once."""
+        dates = dict(line.split() for line in self._git("show", "-s", "--format=%H %ct", *set(commits)).splitlines())
+        return sorted(set(commits), key=lambda c: (int(dates[c]), c))
+
     def merge_base(self, commits: list[str]) -> str:
         return commits[0] if len(set(commits)) == 1 else self._git("merge-base", "--octopus", *commits).strip()
 
@@ -474,7 +495,8 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
     context = opts.out.with_name(opts.out.stem + ".d")
     cutoffs = Cutoffs(constants, opts, context / "upload-dates.json")
     environments: list[dict] = []
-    sets: dict[tuple[str, str, str, str], list[str]] = {}  # (repo, test_cmd, install, pre_install) -> ids
+    # (repo, environment, test_cmd, install, pre_install) -> ids
+    sets: dict[tuple[str, str, str, str, str], list[str]] = {}
     with tempfile.TemporaryDirectory(prefix="ib-swebench-") as tmp:
         mirrors: dict[str, Repository | str] = {}
         usable: list[Buildable] = []
@@ -596,6 +618,23 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
                 # build too, where the locale is generated before anything reads it).
                 version_env["env"].update(spec.eval_env)
                 added.append(version_env)
+                # Checkpoints (checkpoints.py): each instance's layer below, by its base commit.
+                order = mirror.oldest_first([t.base_commit for t, _ in members])
+                below: dict[str, Checkpoint | None] = dict(zip(order, place(order, merge_base, mirror.is_ancestor,
+                                                                            mirror.count)))
+                layers: dict[Checkpoint | None, tuple[str, str]] = {None: (env_name, merge_base)}
+                for checkpoint in dict.fromkeys(below.values()):  # each after the one it sits on
+                    if checkpoint is None:
+                        continue
+                    name = f"{env_name}-at-{checkpoint.commit[:12]}"
+                    parent, since = layers[checkpoint.parent]
+                    try:
+                        added.append(_repo_env(name, parent, context / "envs" / name, opts.out, mirror,
+                                               checkpoint.commit, since, {"BASE_COMMIT": checkpoint.commit,
+                                                                          "REINSTALL_WHEN": REINSTALL_WHEN}))
+                        layers[checkpoint] = name, checkpoint.commit
+                    except SpecError:  # an unreadable object: its instances' own bundles say which are left out
+                        layers[checkpoint] = layers[checkpoint.parent]
             except SpecError as e:
                 result.skipped.extend(f"{t.original_id}: {e}" for t, _ in members)
                 continue
@@ -604,13 +643,14 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
             for task, _ in members:
                 inst_dir = context / "instances" / file_name(task.original_id)
                 inst_dir.mkdir(parents=True, exist_ok=True)
+                layer, since = layers[below[task.base_commit]]
                 try:
-                    _bundle_once(mirror, inst_dir / "commits.bundle", task.base_commit, merge_base)
+                    _bundle_once(mirror, inst_dir / "commits.bundle", task.base_commit, since)
                 except SpecError as e:
                     result.skipped.append(f"{task.original_id}: {e}")
                     continue
                 built += 1
-                sets.setdefault((repo, spec.test_cmd, spec.install, "\n".join(spec.pre_install)), []).append(
+                sets.setdefault((repo, layer, spec.test_cmd, spec.install, "\n".join(spec.pre_install)), []).append(
                     task.original_id)
                 if spec.not_run:
                     result.notes.append(f"{task.original_id}: not carried out: {'; '.join(spec.not_run)}")
@@ -621,13 +661,13 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
     doc = {"environments": environments,
            "instance_sets": [{"from": _relative(opts.dataset, opts.out.parent),
                               "only": {"instance_id": sorted(ids)},
-                              "environment": named + "{repo_slug}-{version}", "script": "swebench-instance.sh",
+                              "environment": layer, "script": "swebench-instance.sh",
                               "context": _relative(context / "instances", opts.out.parent) + "/{instance_file}",
                               "env": {"BASE_COMMIT": "{base_commit}", "INSTALL": install, "PRE_INSTALL": pre_install,
                                       "REINSTALL_WHEN": REINSTALL_WHEN},
                               "workdir": WORKDIR, "test_command": test_cmd, "timeout": 3600,
                               **({"grader": {"log_parser": parsers[repo]}} if repo in parsers else {})}
-                             for (repo, test_cmd, install, pre_install), ids in sorted(sets.items())]}
+                             for (repo, layer, test_cmd, install, pre_install), ids in sorted(sets.items())]}
     also = f" and {opts.specs.name}" if opts.specs else ""
     header = (f"# Generated by image-builder swebench catalog from {opts.dataset.name} and the specs of swebench "
               f"{_swebench_version()}{also}.\n# {result.environments} repository environments, {result.instances} "

@@ -1,0 +1,118 @@
+"""Checkpoint layers (build/checkpoints.py) built for real: swebench-repo.sh over a version's checkout, and
+swebench-instance.sh over a checkpoint, keep SWE-bench's per-instance semantics: each instance's repository is
+at its base commit with PRE_INSTALL's edits, installed at a commit with its install files, and nothing later."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from image_builder.build.catalog import load
+from image_builder.build.envbuild import BuildOptions
+from image_builder.build.storebuild import StoreBuildOptions, build_store
+from image_builder.oci.cache import BlobCache
+from image_builder.oci.registry import RegistryOptions
+from image_builder.store.store import Store
+from tests.test_repo_history import run_in
+
+GIT = ["git", "-c", "core.hooksPath=/dev/null", "-c", "user.email=t@t", "-c", "user.name=t"]
+
+
+def commit(repo: Path, files: dict[str, str], message: str) -> str:
+    for name, text in files.items():
+        (repo / name).write_text(text)
+    subprocess.run([*GIT, "-C", str(repo), "add", "-A"], check=True)
+    subprocess.run([*GIT, "-C", str(repo), "commit", "-q", "-m", message], check=True)
+    return subprocess.run([*GIT, "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def bundle(repo: Path, dest: Path, head: str, since: str | None = None) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([*GIT, "-C", str(repo), "update-ref", "refs/heads/image-builder", head], check=True)
+    subprocess.run([*GIT, "-C", str(repo), "bundle", "create", "-q", str(dest), "refs/heads/image-builder",
+                    *([f"^{since}"] if since else [])], check=True)
+
+
+CATALOG = """
+environments:
+  - name: py
+    base: BASE
+    scripts: [python-venv.sh]
+    env: {VENV: /opt/venv, PATH: "/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+  - name: v
+    from: py
+    scripts: [swebench-repo.sh]
+    context: v
+    env: &version
+      REPO_BUNDLE: /build/repo.bundle
+      BASE_COMMIT: C0
+      PRE_INSTALL: "sed -i 's/^edited = no/edited = yes/' tox.ini"
+      # An install that only records where it ran: pip's `freeze` around it still runs (held packages).
+      INSTALL: "git rev-parse --short=7 HEAD >> /opt/installs"
+  - name: v-at-c1
+    from: v
+    scripts: [swebench-repo.sh]
+    context: c1
+    env: {REPO_BUNDLE: /build/repo.bundle, BASE_COMMIT: C1, REINSTALL_WHEN: "setup.cfg"}
+  - name: v-at-c2
+    from: v-at-c1
+    scripts: [swebench-repo.sh]
+    context: c2
+    env: {REPO_BUNDLE: /build/repo.bundle, BASE_COMMIT: C2, REINSTALL_WHEN: "setup.cfg"}
+instances:
+  - id: on-c2
+    environment: v-at-c2
+    script: swebench-instance.sh
+    context: i3
+    env: {BASE_COMMIT: C3, REINSTALL_WHEN: setup.cfg, INSTALL: "git rev-parse --short=7 HEAD >> /opt/installs",
+          PRE_INSTALL: "sed -i 's/^edited = no/edited = yes/' tox.ini"}
+    workdir: /testbed
+  - id: tox-changed
+    environment: v-at-c2
+    script: swebench-instance.sh
+    context: i4
+    env: {BASE_COMMIT: C4, REINSTALL_WHEN: setup.cfg, INSTALL: "git rev-parse --short=7 HEAD >> /opt/installs",
+          PRE_INSTALL: "sed -i 's/^edited = no/edited = yes/' tox.ini"}
+    workdir: /testbed
+"""
+
+
+def test_checkpoints_carry_pre_install_and_reinstall_only_where_install_files_change(tmp_path, registries,
+                                                                                     debian_base):
+    repo = tmp_path / "repo"
+    subprocess.run([*GIT, "init", "-q", str(repo)], check=True)
+    c0 = commit(repo, {"setup.cfg": "[v]\n0\n", "tox.ini": "[t]\nedited = no\n", "mod.py": "X = 0\n"}, "c0")
+    c1 = commit(repo, {"mod.py": "X = 1\n"}, "c1: no install file changed")
+    c2 = commit(repo, {"setup.cfg": "[v]\n2\n"}, "c2: setup.cfg changed")
+    c3 = commit(repo, {"mod.py": "X = 3\n"}, "c3")
+    subprocess.run([*GIT, "-C", str(repo), "checkout", "-q", c2], check=True)
+    c4 = commit(repo, {"tox.ini": "[t]\nedited = no\nmore = 1\n"}, "c4: a file PRE_INSTALL edits changed")
+    later = commit(repo, {"mod.py": "FIX = 1\n"}, "a later commit: the fix")
+    bundle(repo, tmp_path / "v/repo.bundle", c0)
+    bundle(repo, tmp_path / "c1/repo.bundle", c1, c0)
+    bundle(repo, tmp_path / "c2/repo.bundle", c2, c1)
+    bundle(repo, tmp_path / "i3/commits.bundle", c3, c2)
+    bundle(repo, tmp_path / "i4/commits.bundle", c4, c2)
+    text = CATALOG
+    for name, value in (("BASE", debian_base), ("C0", c0), ("C1", c1), ("C2", c2), ("C3", c3), ("C4", c4)):
+        text = text.replace(f": {name}", f": {value}")
+    (tmp_path / "catalog.yaml").write_text(text)
+    build = BuildOptions(store=tmp_path / "store", cache=BlobCache(tmp_path / "cache"),
+                         registry=RegistryOptions(ca_cert=registries.tls.cert))
+    summary = build_store(load(tmp_path / "catalog.yaml"), StoreBuildOptions(build, jobs=2))
+    assert not summary.failed, [(f.message, f.tail[-10:]) for f in summary.failed]
+
+    store = Store.open(tmp_path / "store")
+    show = ["sh", "-c", "git rev-parse --short=7 HEAD; cat /opt/installs | tr '\\n' ' '; echo;"
+                        "grep edited tox.ini; git status --porcelain --untracked-files=no | tr '\\n' ' '; echo;"
+                        "git cat-file -e " + later + " 2>/dev/null && echo later || echo none"]
+    head, installs, edited, status, fix = run_in(store.resolve("on-c2"), show).splitlines()
+    # c1 left the install as it was (no setup.cfg change); c2 installed again, once; c3 nothing more.
+    assert (head, installs.split()) == (c3[:7], [c0[:7], c2[:7]])
+    assert edited == "edited = yes" and status.strip() == "M tox.ini", "PRE_INSTALL's edit carried through the checkpoints"
+    assert fix == "none"
+    head, installs, edited, status, fix = run_in(store.resolve("tox-changed"), show).splitlines()
+    # Checking out c4 over the edited tox.ini: clean, PRE_INSTALL again, installed again (as an instance does).
+    assert (head, installs.split()) == (c4[:7], [c0[:7], c2[:7], c4[:7]])
+    assert edited == "edited = yes" and status.strip() == "M tox.ini" and fix == "none"
