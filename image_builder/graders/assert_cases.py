@@ -252,6 +252,10 @@ class _Case:
         ev, cand = self.evaluator, self.candidate
         gone_told = False
         gone = Codec.plain.enc(("gone", int(self.name)))  # names the case: the evaluator drops stale ones
+        # The two sides take turns (each blocks for the other's frame after sending one, nested calls
+        # included), the evaluator first: a candidate frame out of turn is no answer to anything, and the
+        # evaluator would read it as the answer to its next question, the next case's among them.
+        candidates_turn = False
         deadline = cand.started + self.options.case_timeout + 2 * GRACE
         while True:
             for frame in iter(ev.frames.pop, None):
@@ -276,8 +280,12 @@ class _Case:
                     ev.send(b"h", gone)  # each request after the end hears it again
                 else:
                     cand.send(b"e", payload)
+                    candidates_turn = True
             for frame in iter(cand.frames.pop, None):
+                if not candidates_turn:
+                    return ["broken", "it sent a message the evaluator had not asked for", ""]
                 ev.send(b"c", frame[1:])
+                candidates_turn = False
             if cand.frames.broken:
                 return ["broken", cand.frames.broken, ""]
             if cand.over and not gone_told:
