@@ -15,9 +15,10 @@ import pytest
 
 from image_builder.graders import (GradeOptions, TaskStatus, TestAccess, candidate_feedback, grade, load_tasks,
                                    quality_check_all, write_qc)
+from image_builder.graders.patches import touched_paths
 from tests.support.grader_data import SWEBENCH, diff_after, marshmallow_checkout, marshmallow_venv
 from tests.support.host_executor import HostExecutor
-from tests.support.infra_attacks import ATTACKS, PY, write_file
+from tests.support.infra_attacks import ATTACKS, PLUGIN, PY, write_file
 
 ID = "marshmallow-code__marshmallow-1359"
 F2P = "tests/test_fields.py::TestParentAndName::test_datetime_list_inner_format"
@@ -243,6 +244,52 @@ def test_test_infrastructure_attacks_are_dropped_unless_tests_are_open(tasks, ho
         assert result.repo.dropped_changes == dropped and result.repo.test_infrastructure_modified == []
     assert "dropped changes to test infrastructure: " + ", ".join(dropped) in candidate_feedback(
         result, TestAccess.READ_ONLY)
+
+
+def test_a_binary_conftest_under_quoted_names_is_seen_and_dropped(tasks, host, options, tmp_path):
+    """`diff --git "a/conftest.py" "b/conftest.py"` with a GIT binary patch (no ---/+++ lines) once touched no
+    path the grader could name: nothing was put back, and a conftest with no fix at all resolved the task."""
+    task = tasks[ID]
+    workspace = marshmallow_checkout(tmp_path, task.base_commit)
+    (workspace / ".git" / "info" / "attributes").write_text("conftest.py binary\n")  # not part of the patch
+
+    def add_conftest(repo: Path) -> None:
+        (repo / "conftest.py").write_text(PLUGIN)
+
+    diff_after(workspace, [], add_conftest)  # staged; its text says only "Binary files ... differ"
+    patch = subprocess.run(["git", "-C", str(workspace), "diff", "--cached", "--binary"], check=True,
+                           capture_output=True, text=True).stdout
+    quoted = patch.replace("diff --git a/conftest.py b/conftest.py", 'diff --git "a/conftest.py" "b/conftest.py"')
+    assert "GIT binary patch" in quoted and "+++" not in quoted and quoted != patch
+    for access in (TestAccess.READ_ONLY, TestAccess.HIDDEN):
+        result = grade(task, quoted, host, replace(options, access=access))
+        assert result.status is TaskStatus.FAILED and result.repo.dropped_changes == ["conftest.py"], (
+            access, result.reason, result.repo.dropped_changes)
+
+
+def test_a_file_the_patch_changes_beyond_what_the_grader_read_refuses_it(tasks, host, options, workspace,
+                                                                          monkeypatch):
+    """Behind the reading of the patch, the run asks git what the patch changed: a file the grader's reading
+    missed (here, made to miss every file) refuses the patch instead of escaping every protection."""
+    from image_builder.graders import swebench
+
+    cheat = diff_after(workspace, [], lambda repo: write_file(repo, "conftest.py", PLUGIN))
+    monkeypatch.setattr(swebench, "touched_paths", lambda patch: [] if patch == cheat else touched_paths(patch))
+    result = grade(tasks[ID], cheat, host, replace(options, access=TestAccess.HIDDEN))
+    assert result.status is TaskStatus.PATCH_FAILED, (result.reason, result.repo and result.repo.log[-500:])
+    assert result.reason == "candidate patch changed 'conftest.py', which none of its headers names: refused"
+    honest = grade(tasks[ID], tasks[ID].gold_patch, host, options)  # changes no file beyond its headers
+    assert honest.status is TaskStatus.PASSED, honest.reason
+
+
+def test_a_patch_whose_files_cannot_be_told_is_refused_without_running(tasks):
+    """GNU patch (the last way a patch is applied) takes a hunk's file from an `Index:` line, which the grader's
+    reading of the patch does not: such a patch, or a binary one whose names cannot be split, is refused."""
+    hunk = "@@ -0,0 +1 @@\n+import os\n"
+    for patch in (f"Index: a/conftest.py\n{hunk}", f"{hunk}", f"diff --git a/x b/conftest.py\n{hunk}",
+                  "diff --git a/x b/conftest.py\nnew file mode 100644\nGIT binary patch\nliteral 1\nIcmZQz00961\n"):
+        result = grade(tasks[ID], patch, executor=None)
+        assert result.status is TaskStatus.PATCH_FAILED and "refused" in result.reason, (patch, result.reason)
 
 
 # --- SWE-bench fidelity: what the test patch holds, and what the record lists -------------------------------

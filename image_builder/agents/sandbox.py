@@ -54,7 +54,7 @@ from image_builder.graders.access import TestAccess, candidate_feedback
 from image_builder.graders.grade import grade
 from image_builder.graders.grading import StoreExecutors, instance_of
 from image_builder.graders.options import GradeOptions
-from image_builder.graders.patches import touched_paths
+from image_builder.graders.patches import UnreadablePatch, touched_paths
 from image_builder.graders.results import GradeResult, TaskStatus
 from image_builder.runtime.execution import Bind, RunRequest, RunResult
 from image_builder.runtime.mounts import RunnerError
@@ -158,7 +158,10 @@ class AgentSandbox(Sandbox):
                     self.write_file(path, text)
             return
         if self.access is TestAccess.HIDDEN:
-            paths = touched_paths(task.test_patch)
+            try:
+                paths = touched_paths(task.test_patch)
+            except UnreadablePatch as e:
+                raise RunnerError(f"{task.task_id}: the task's test_patch, {e}") from None
             self._git(["git", "rm", "-r", "-q", "-f", "--ignore-unmatch", "--", *paths])
             what = "image-builder: the task's test files hidden"
         else:

@@ -12,8 +12,8 @@ For repo tasks the candidate's patch is read against the workspace it saw:
 
 In read-only and hidden modes the candidate's changes to test infrastructure
 (`infrastructure_kind`: what pytest or Python reads before collecting a test,
-such as conftest.py, pytest.ini, sitecustomize.py, .pth files, an editable
-install's entry_points.txt, or the pytest sections of setup.cfg, tox.ini and
+such as conftest.py, pytest.ini, sitecustomize.py, .pth files, any
+entry_points.txt (a package's plugins), or the pytest sections of setup.cfg, tox.ini and
 pyproject.toml) are dropped too; in open mode they stand and are flagged.
 
 Assert-case and stdin/stdout tests always live in the grader and reach a run
@@ -62,10 +62,12 @@ def infrastructure_kind(path: str) -> str | None:
     parts = PurePosixPath(path).parts
     if not parts:
         return None
-    name, parent = parts[-1], parts[-2] if len(parts) > 1 else ""
+    name = parts[-1]
     if (name in _INFRA_FILES or name.endswith((".pth", ".pyc")) or "__pycache__" in parts
             or "site-packages" in parts or "dist-packages" in parts  # an environment inside the workdir
-            or name == "entry_points.txt" and parent.endswith((".egg-info", ".dist-info"))):
+            # wherever it is: importlib.metadata matches *.dist-info, *.egg-info, EGG-INFO in any case
+            # (an upper-case .DIST-INFO once registered a pytest plugin past this check)
+            or name == "entry_points.txt"):
         return "file"
     return _INFRA_SECTIONS.get(name)
 

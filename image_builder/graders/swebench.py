@@ -3,7 +3,9 @@
 The whole evaluation is one run of a generated bash script in the instance (a
 run starts from a fresh copy of the instance, so state cannot carry between
 runs). The script mirrors SWE-bench's eval.sh: the candidate patch is applied
-with `git apply`, then `git apply --reject`, then `patch --fuzz=5`; the files
+with `git apply`, then `git apply --reject`, then `patch --fuzz=5` (read as a
+unified diff only: GNU patch takes other formats' file names from places the
+grader's reading of the patch, patches.py, does not; SWE-bench's reads any); the files
 the test patch touches are reset to base_commit and the test patch applied;
 the test command runs on the test patch's files (SWE-bench's directives: not
 its data files). `access` decides what else is reverted (see access.py).
@@ -21,8 +23,9 @@ flagged. The tests run with PYTHONDONTWRITEBYTECODE=1 and, for pytest,
 
 Why the run's report cannot be forged by printing:
 - the script reads a random nonce from a file and deletes it before any
-  candidate code runs; the nonce is never exported, so the code under test
-  cannot know it. Only lines carrying it count: the start/end markers around
+  candidate code runs; the nonce is never exported, so printing cannot forge
+  it (code under test that reads the script's memory through /proc can: it is
+  in-process code, below). Only lines carrying it count: the start/end markers around
   the test output on stdout, and the notes on the grader's channel (the
   script's own stderr, which the test command does not inherit): which command
   applied the patch, the test command's exit code, the junit xml;
@@ -65,7 +68,7 @@ from image_builder.runtime.execution import Executor, RunRequest, RunResult
 from image_builder.tasks import RepoTask
 from .access import TestAccess, infrastructure_kind, is_test_path, reverted_files
 from .options import GradeOptions
-from .patches import refused_path, target_paths, touched_paths
+from .patches import UnreadablePatch, refused_path, target_paths, touched_paths
 from image_builder.tasks import REPO_TEST_CMDS
 from .evidence import test_modification
 from .results import GradeResult, RepoReport, TaskStatus
@@ -90,10 +93,21 @@ G=$(mktemp -d) && mv {dir}/* "$G"/ && rmdir {dir} || {{ note error "cannot move 
 g() {{ git -c core.hooksPath=/dev/null -c core.fsmonitor=false "$@"; }}
 apply_candidate() {{
   if [ ! -s "$G/model.patch" ]; then note model none; return; fi
-  if g apply --verbose "$G/model.patch"; then note model git apply; return; fi
-  if g apply --verbose --reject "$G/model.patch"; then note model git apply --reject; return; fi
-  if patch --batch --fuzz=5 -p1 -i "$G/model.patch"; then note model patch --fuzz=5; return; fi
-  note model-failed; exit 0
+  # The tree as it is now, in a scratch index (the repository's own is left alone): afterwards git names
+  # every file the patch changed or added, ignored ones too, for the grader to hold against the files the
+  # patch's headers name. Both scratch files live in .git, which git never lists ($G may be in the tree).
+  I=$(g rev-parse --git-path ib-index) O=$(g rev-parse --git-path ib-others)
+  cp -- "$(g rev-parse --git-path index)" "$I" 2>/dev/null
+  GIT_INDEX_FILE="$I" g add -A >/dev/null 2>&1
+  GIT_INDEX_FILE="$I" g ls-files -z --others | sort -z > "$O"
+  if g apply --verbose "$G/model.patch"; then note model git apply
+  elif g apply --verbose --reject "$G/model.patch"; then note model git apply --reject
+  elif patch --batch --fuzz=5 -p1 -u -i "$G/model.patch"; then note model patch --fuzz=5
+  else note model-failed; exit 0; fi
+  note changed "$({{ GIT_INDEX_FILE="$I" g diff --name-only -z
+                    GIT_INDEX_FILE="$I" g ls-files -z --others | sort -z | comm -z -13 "$O" -
+                  }} 2>/dev/null | head -c 262144 | base64 -w0)"
+  rm -f -- "$I" "$O"
 }}
 apply_tests() {{ g apply --verbose "$G/test.patch" || {{ note test-patch-failed; exit 0; }}; }}
 reset_to_base() {{
@@ -283,12 +297,18 @@ rm -rf "$J" "$G"
 
 
 def grade_repo(task: RepoTask, patch: str, executor: Executor, options: GradeOptions) -> GradeResult:
-    candidate_paths = touched_paths(patch)
+    try:
+        candidate_paths = touched_paths(patch)
+    except UnreadablePatch as e:
+        return GradeResult(task.task_id, "repo", TaskStatus.PATCH_FAILED, reason=f"candidate patch, {e}: refused")
     if refused := refused_path(candidate_paths):
         return GradeResult(task.task_id, "repo", TaskStatus.PATCH_FAILED,
                            reason=f"candidate patch touches {refused!r}: refused")
-    test_files = target_paths(task.test_patch)
-    test_patch_paths = touched_paths(task.test_patch)  # renamed and deleted files too: all are reset
+    try:
+        test_files = target_paths(task.test_patch)
+        test_patch_paths = touched_paths(task.test_patch)  # renamed and deleted files too: all are reset
+    except UnreadablePatch as e:
+        return GradeResult(task.task_id, "repo", TaskStatus.BAD_TASK, reason=f"the task's test_patch, {e}")
     infra = [(kind, p) for p in candidate_paths if (kind := infrastructure_kind(p))
              and (options.access is TestAccess.OPEN or p not in test_patch_paths)]
     infra_paths = {p for _, p in infra}
@@ -311,7 +331,7 @@ def grade_repo(task: RepoTask, patch: str, executor: Executor, options: GradeOpt
     run = read_run(result, nonce)
     facts = RunFacts(options.access.value, reverted, test_cmd, pytest, [p for _, p in infra], options.repo_network,
                      run.notes, run.apply_log, run.test_log, run.finished, run.timed_out,
-                     parser.family == PATH_OPTIONS_PARSER, parser.name)
+                     parser.family == PATH_OPTIONS_PARSER, parser.name, candidate_paths)
     graded = judge_facts(task, facts)
     graded.artifacts = facts.artifacts(script, patch)
     if graded.score > 0 and graded.repo is not None:
@@ -339,6 +359,7 @@ class RunFacts:
     timed_out: bool
     path_options: bool = False  # ids as SWE-bench's parse_log_pytest_options writes them (older run.json files)
     log_parser: str | None = None  # the parser that read the log, by SWE-bench's name (or "unittest")
+    declared: list[str] | None = None  # the files the candidate patch's headers name (None: older run.json)
 
     def artifacts(self, script: str, patch: str) -> dict[str, str]:
         """SWE-bench's per-instance files (eval.sh, patch, test output) and the facts themselves."""
@@ -360,7 +381,8 @@ class RunFacts:
 def judge_facts(task: RepoTask, facts: RunFacts) -> GradeResult:
     run = Run(facts.timed_out, facts.notes, facts.apply_log, facts.test_log, facts.finished)
     graded = judge(task, run, TestAccess(facts.access), facts.reverted, facts.test_cmd, facts.pytest,
-                   infra=facts.infra, path_options=facts.path_options, log_parser=facts.log_parser)
+                   infra=facts.infra, path_options=facts.path_options, log_parser=facts.log_parser,
+                   declared=facts.declared)
     if graded.repo is not None:
         graded.repo.network = facts.network
         if not facts.network and graded.status is TaskStatus.FAILED:
@@ -459,18 +481,23 @@ def read_run(result: RunResult, nonce: str) -> Run:
 
 def judge(task: RepoTask, run: Run, access: TestAccess, reverted: list[str], test_cmd: str,
           pytest: bool, infra: list[str] = (), path_options: bool = False, log_parser: str | None = None,
-          ) -> GradeResult:
+          declared: list[str] | None = None) -> GradeResult:
     """The verdict on a run. `pytest`: junit cross-checks the log (the runner is pytest).
     `infra`: the candidate's test-infrastructure paths the run protected (restored, or in open mode compared).
     `log_parser`: the parser's name as the catalog (or the run's facts) has it; none: SWE-bench's for the
     repository, then the command's (swebench_parsers.choose_parser); `path_options` (older facts): the
-    catalog named parse_log_pytest_options."""
+    catalog named parse_log_pytest_options. `declared`: the files the candidate patch names; a file the patch
+    changed beyond them (git's reading of the patch differing from the grader's) refuses it."""
     parser = choose_parser(log_parser or (PATH_OPTIONS_PARSER if path_options else None), task.repo, test_cmd)
     notes = run.notes
     extra = {"infra": _infra_changes(notes, access, infra)}
     if "model-failed" in notes:
         return GradeResult(task.task_id, "repo", TaskStatus.PATCH_FAILED,
                            reason="candidate patch does not apply (git apply, git apply --reject, patch --fuzz=5)",
+                           repo=_report(task, run, access, reverted, test_cmd, {}, "", [], **extra))
+    if undeclared := _undeclared(notes.get("changed"), declared):
+        return GradeResult(task.task_id, "repo", TaskStatus.PATCH_FAILED,
+                           reason=f"candidate patch changed {undeclared!r}, which none of its headers names: refused",
                            repo=_report(task, run, access, reverted, test_cmd, {}, "", [], **extra))
     if "test-patch-failed" in notes or "error" in notes or run.test_log is None and not run.timed_out:
         why = ("test patch does not apply" if "test-patch-failed" in notes
@@ -515,6 +542,23 @@ def _infra_changes(notes: dict[str, str], access: TestAccess, infra: list[str]) 
         return [path if what == "file" else f"{path} {what}" for path, what in found]
     except (KeyError, ValueError, TypeError):
         return list(infra)  # the merge did not run (infra-fallback: whole files restored) or no note at all
+
+
+def _undeclared(note: str | None, declared: list[str] | None) -> str | None:
+    """The first file the run's `changed` note names that the patch's headers do not (its .rej and .orig
+    files aside: `git apply --reject` and GNU patch write them); None when all are named, or no note."""
+    if note is None or declared is None:
+        return None
+    try:
+        changed = base64.b64decode(note, validate=True).decode("utf-8", "surrogateescape").split("\0")
+    except (ValueError, binascii.Error):
+        return None
+    named = set(declared)
+    for path in filter(None, changed):
+        stem, dot, suffix = path.rpartition(".")
+        if path not in named and not (dot and suffix in ("rej", "orig") and stem in named):
+            return path
+    return None
 
 
 def _names_a_test(test: str) -> bool:

@@ -50,4 +50,11 @@ ATTACKS = {
                                    write_file(repo, "src/cheat.egg-info/PKG-INFO", "Metadata-Version: 2.1\nName: cheat\n"
                                                                               "Version: 1.0\n")),
                      ["src/cheat.egg-info/entry_points.txt"]),
+    # importlib.metadata matches metadata directories in any case: an upper-case one was not protected.
+    "entry_points in an upper-case .DIST-INFO": (
+        lambda repo: (_plugin(repo), write_file(repo, "src/cheat-1.0.DIST-INFO/entry_points.txt",
+                                                "[pytest11]\ncheat = marshmallow._plugin\n"),
+                      write_file(repo, "src/cheat-1.0.DIST-INFO/METADATA", "Metadata-Version: 2.1\nName: cheat\n"
+                                                                           "Version: 1.0\n")),
+        ["src/cheat-1.0.DIST-INFO/entry_points.txt"]),
 }
