@@ -147,6 +147,18 @@ def test_call_based_missing_function_and_early_exit(host):
     assert exits.cases[0].status is CaseStatus.ERROR and "without a report" in exits.cases[0].reason
 
 
+def test_output_that_breaks_the_comparison_fails_its_case_and_nothing_else(host):
+    """A signalling NaN raised out of LiveCodeBench's comparison, and a return value's report nested past the
+    JSON parser's depth raised out of the call-based one: each ended the whole grading run (and a verl batch)."""
+    snan = parse_ground_truth("s", {"inputs": ["1\n"], "outputs": ["5\n"]})
+    result = grade(snan, "print('sNaN')\n", host, GradeOptions(compare="livecodebench"))
+    assert result.status is TaskStatus.FAILED and "got 'sNaN'" in result.cases[0].reason, result.reason
+    deep = parse_ground_truth("add", {"fn_name": "add", "inputs": [[1, 2]], "outputs": [3]})
+    result = grade(deep, "import json\njson.dumps = lambda v, **k: '[' * 100000 + ']' * 100000\n"
+                         "def add(a, b):\n    return a + b\n", host)
+    assert result.status is TaskStatus.FAILED and "nested too deep" in result.cases[0].reason, result.reason
+
+
 def test_call_based_input_that_is_not_json_is_a_bad_task(host):
     task = parse_ground_truth("add", {"fn_name": "add", "inputs": ["[1, 2"], "outputs": ["3"]})
     assert grade(task, "def add(a, b):\n    return a + b\n", host).status is TaskStatus.BAD_TASK
@@ -189,8 +201,13 @@ def test_livecodebench_comparison(output, expected, verdict):
     ("float", "0.15000000000000002 0.3 0.55\n", "0.15 0.3 0.55\n", None),
     ("float", "0.1000005\n", "0.1\n", None),  # absolute 1e-6
     ("float", "0.1000011\n", "0.1\n", "token 1: expected '0.1', got '0.1000011'"),
-    ("float", "1000000.5\n", "1000000\n", None),  # relative 1e-6
-    ("float", "1000002.5\n", "1000000\n", "token 1: expected '1000000', got '1000002.5'"),
+    ("float", "1000000.5\n", "1000000.0\n", None),  # relative 1e-6
+    ("float", "1000002.5\n", "1000000.0\n", "token 1: expected '1000000.0', got '1000002.5'"),
+    # An integer answer is exact however the candidate writes its token: a wrong answer written as a float
+    # passed within 1e-6 of a large one (999999998 as 1000000497.0, found by red-teaming).
+    ("float", "1000000.5\n", "1000000\n", "token 1: expected '1000000', got '1000000.5'"),
+    ("float", "1.000000497e9\n", "999999998\n", "token 1: expected '999999998', got '1.000000497e9'"),
+    ("float", "5.0 5e0\n", "5 5\n", None),
     ("float", "1e2 +7\n", "100.0 7\n", None),
     ("float", "12345678901234567891\n", "12345678901234567890\n",  # integers are exact, however big
      "token 1: expected '12345678901234567890', got '12345678901234567891'"),
@@ -201,6 +218,7 @@ def test_livecodebench_comparison(output, expected, verdict):
     ("float", "1_000\n", "1000\n", "token 1: expected '1000', got '1_000'"),
     ("livecodebench", "1.0 2.50\n", "1 2.5\n", None),
     ("livecodebench", "0.1\n", "0.10000001\n", "line 1: expected '0.10000001', got '0.1'"),
+    ("livecodebench", "sNaN\n", "5\n", "line 1: expected '5', got 'sNaN'"),  # raised when compared
     # SandboxFusion's check_stdio_test_case (its /submit for CommonOJDataset)
     ("sandboxfusion", "YES  \n\n", "  yes\n", None),  # stripped, lower-cased
     ("sandboxfusion", "0.3333333\n", "0.33333334\n", None),  # relative 1e-5

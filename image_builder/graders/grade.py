@@ -40,6 +40,10 @@ def grade(task: Task, solution: str, executor: Executor, options: GradeOptions =
         return grade_repo(task, solution, executor, options)
     except (ImageBuilderError, OSError) as exc:  # the executor failed, not the candidate
         return GradeResult(task.task_id, kind, TaskStatus.ERROR, reason=f"grading run failed: {exc}")
+    except Exception as exc:  # noqa: BLE001 -- whatever a candidate's output does to the grader stays its own result:
+        # one candidate must not end the run (or a trainer's batch) for the others (an sNaN once did)
+        return GradeResult(task.task_id, kind, TaskStatus.ERROR,
+                           reason=f"the grader failed on this solution's output: {type(exc).__name__}: {exc}"[:500])
 
 
 class TaskIndex:

@@ -7,7 +7,9 @@ Standard input is a regular file, as judges give it (some real solutions read
 - `exact`: line by line, trailing whitespace of each line and trailing blank lines ignored;
 - `tokens`: the whitespace-separated tokens are equal;
 - `float`: tokens, where two numbers are equal within absolute or relative 1e-6 (the task's
-  `tolerance` if it has one); two integers (no point, no exponent) must be equal exactly;
+  `tolerance` if it has one); an expected integer (no point, no exponent) must be matched exactly
+  (`5.0` for `5`, as a number): a wrong integer answer written as a float once passed within 1e-6 of
+  a large answer;
 - `livecodebench`: LiveCodeBench's (`compare_stdout`): stripped lines, equal as text or
   token-wise as exact decimals;
 - `sandboxfusion`: SandboxFusion's (`check_stdio_test_case`, its /submit for CommonOJDataset): stripped
@@ -138,10 +140,10 @@ def compare_tokens(output: str, expected: str, tolerance: float | None = None) -
 
 
 def _close(token: str, wanted: str, tolerance: float) -> bool:
-    if _INTEGER.match(token) and _INTEGER.match(wanted):
-        return int(token) == int(wanted)  # "+7" is 7; a big integer answer gets no tolerance
     if not (_NUMBER.match(token) and _NUMBER.match(wanted)):
         return False
+    if _INTEGER.match(wanted):  # "+7" is 7; an integer answer gets no tolerance, however the token is written
+        return Decimal(token) == Decimal(wanted)
     got, want = float(token), float(wanted)
     return abs(got - want) <= tolerance * max(1.0, abs(want))
 
@@ -155,7 +157,7 @@ def compare_stdout(output: str, expected: str) -> str | None:
         if line == wanted:
             continue
         got_decimals, want_decimals = _decimals(line), _decimals(wanted)
-        if got_decimals is None or want_decimals is None or got_decimals != want_decimals:
+        if got_decimals is None or want_decimals is None or not _same_decimals(got_decimals, want_decimals):
             return f"line {number}: expected {wanted[:80]!r}, got {line[:80]!r}"
     return None
 
@@ -191,6 +193,13 @@ def _decimals(line: str) -> list[Decimal] | None:
         return [Decimal(token) for token in line.split()]
     except InvalidOperation:
         return None
+
+
+def _same_decimals(a: list[Decimal], b: list[Decimal]) -> bool:
+    try:
+        return a == b
+    except InvalidOperation:  # a signalling NaN ("sNaN") raises when compared: it equals nothing
+        return False
 
 
 class _Judge:
@@ -273,6 +282,8 @@ def _judge_return(returned_json: str, accepted: list) -> tuple[CaseStatus, str]:
         returned = json.loads(returned_json)
     except ValueError:
         return CaseStatus.ERROR, "the return value's report was cut off"
+    except RecursionError:  # the solution's own json.dumps may write anything: nested past the parser's depth
+        return CaseStatus.FAILED, "the return value is nested too deep to compare"
     if returned in accepted:
         return CaseStatus.PASSED, ""
     return CaseStatus.FAILED, f"expected {json.dumps(accepted[0])[:80]}, got {returned_json[:80]}"
