@@ -323,6 +323,10 @@ def test_directives_leave_out_data_files():
     from image_builder.graders.swebench import directives_for
     assert directives_for("x/y", ["tests/test_a.py", "tests/static/config.toml", "tests/data.json"]) == [
         "tests/test_a.py"]
+    # Django: SWE-bench's labels, whatever the file (its get_test_directives)
+    assert directives_for("django/django", ["tests/admin_views/tests.py", "tests/templates/a.html", "tests/x.json",
+                                            "django/test/utils.py"]) == [
+        "admin_views.tests", "templates.a.html", "django.test.utils"]
 
 
 def test_empty_test_lists_resolve_as_swebench_resolves_them(tasks, host, options):

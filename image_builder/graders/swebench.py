@@ -427,11 +427,12 @@ def resolve_test_command(task: RepoTask, executor: Executor) -> str:
 
 def directives_for(repo: str, test_files: list[str]) -> list[str]:
     """What the test command gets: the test patch's files but its data files (SWE-bench's NON_TEST_EXTS);
-    for Django's runner, their module names."""
+    for Django's runner, as SWE-bench's get_test_directives names them: `.py` and `tests/` dropped, dots
+    for slashes, a file that is not Python's included (SWE-bench passes its label too)."""
+    directives = [path for path in test_files if not path.endswith(NON_TEST_EXTS)]
     if repo != "django/django":
-        return [path for path in test_files if not path.endswith(NON_TEST_EXTS)]
-    modules = [path.removesuffix(".py") for path in test_files if path.endswith(".py")]
-    return [m.removeprefix("tests/").replace("/", ".") for m in modules]
+        return directives
+    return [d.removesuffix(".py").removeprefix("tests/").replace("/", ".") for d in directives]
 
 
 def eval_script(base_commit: str, access: TestAccess, reset_paths: list[str], command: str,
