@@ -13,7 +13,8 @@ import click
 import pytest
 
 from image_builder import cli_run
-from image_builder.cli import run, sandbox_exec
+from image_builder.cli import run
+from image_builder.cli_sandbox import sandbox_exec
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -19,7 +19,8 @@ STAGES = [
     {"build"},
     {"graders"},
     {"agents"},
-    {"devtools", "cli", "cli_run", "cli_server", "cli_common", "cli_impossible", "entry", "slurm", "rewards", "submit", "serve"},
+    {"devtools", "cli", "cli_run", "cli_server", "cli_common", "cli_impossible", "cli_sandbox", "cli_slurm", "cli_swebench",
+     "entry", "slurm", "rewards", "submit", "serve"},
 ]
 
 
