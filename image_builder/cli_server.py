@@ -45,9 +45,9 @@ def _name(token: str) -> str:
 def served(argv: list[str]) -> int | None:
     """Run argv (`run ...` or `sandbox exec ...`) on this user's CLI server: its exit
     status, or None when the caller must run it itself (the server is started for next time)."""
-    from image_builder.runtime.statedir import default_state_dir, peer, private_state_dir, read_token
+    from image_builder.runtime.statedir import default_state_dir, peer, private_dir, read_token
     try:
-        state = private_state_dir(default_state_dir())
+        state = private_dir(default_state_dir())
         token = read_token(state)
     except Exception:  # noqa: BLE001 - the caller's own path says what is wrong, in one line
         return None
@@ -152,9 +152,9 @@ def serve(state: str) -> None:
     import image_builder.store.store  # noqa: F401
     from image_builder import cli_run  # noqa: F401
     from image_builder.runtime.holder_session import new_token
-    from image_builder.runtime.statedir import peer, private_state_dir, read_token
+    from image_builder.runtime.statedir import peer, private_dir, read_token
 
-    state = private_state_dir(state)
+    state = private_dir(state)
     token = read_token(state) or new_token(state, None)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:

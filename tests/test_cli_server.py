@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_runtime_client import CASES, EXE, NOBODY, as_user, cli, cli_env, private_dir, stop_holders_of
+from tests.test_runtime_client import CASES, EXE, NOBODY, as_user, cli, cli_env, user_dir, stop_holders_of
 
 THIN = "image_builder.runtime.backends"  # what the client imports only when it runs the command itself
 
@@ -52,7 +52,7 @@ def wait_for_server(xdg: Path, timeout: float = 30.0) -> None:
 @pytest.fixture
 def server(mbpp_store):
     """A root state dir of its own (XDG_RUNTIME_DIR) whose CLI server is up; stopped after."""
-    xdg = private_dir(None)
+    xdg = user_dir(None)
     try:
         cli("run", "--store", str(mbpp_store), "512", "--", "true", user=None, xdg=xdg)
         wait_for_server(xdg)
@@ -64,8 +64,8 @@ def server(mbpp_store):
 
 @pytest.mark.parametrize("backend, user", CASES)
 def test_a_served_run_is_the_fast_paths_run(mbpp_store, backend, user, tmp_path):
-    xdg = private_dir(user)
-    out = private_dir(user)
+    xdg = user_dir(user)
+    out = user_dir(user)
     store = str(mbpp_store)
     try:
         first = traced("run", "--store", store, "--backend", backend, "512", "--", "true", user=user, xdg=xdg)
@@ -164,7 +164,7 @@ except (OSError, socket.timeout) as e:
 def test_another_user_can_neither_use_nor_fake_the_server(mbpp_store, server):
     from image_builder.cli_server import _name
     from image_builder.runtime.statedir import read_token
-    public = private_dir(NOBODY)
+    public = user_dir(NOBODY)
     try:
         name = _name(read_token(server / "image_builder"))
         target = public / "touched"

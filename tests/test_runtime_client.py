@@ -5,11 +5,13 @@ uid 65534 (setpriv), through the installed console script on the MBPP store."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pty
 import select
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -32,7 +34,7 @@ def as_user(user: int | None, argv: list[str]) -> list[str]:
     return argv if user is None else ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *argv]
 
 
-def private_dir(owner: int | None) -> Path:
+def user_dir(owner: int | None) -> Path:
     d = Path(tempfile.mkdtemp(prefix="ib-client-"))  # mode 700
     if owner is not None:
         os.chown(d, owner, owner)
@@ -89,7 +91,7 @@ NAME_OF = ("import sys; from pathlib import Path; from image_builder.runtime.hol
     ("userns", NOBODY, OTHER, "listening"),
 ])
 def test_a_squatted_holder_name_is_given_up_for_a_new_one(mbpp_store, backend, victim, squatter, kind):
-    xdg = private_dir(victim)
+    xdg = user_dir(victim)
     state = xdg / "image_builder"
     state.mkdir(mode=0o700)
     if victim is not None:
@@ -117,23 +119,26 @@ def test_a_squatted_holder_name_is_given_up_for_a_new_one(mbpp_store, backend, v
 
 # --- 2. the default state dir, made first by another user --------------------------------------------
 
-@pytest.mark.xdist_group("other-user-state-dir")  # one at a time: they share /tmp/image_builder-OTHER (conftest)
-@pytest.mark.parametrize("plant", ["foreign", "open", "symlink"])
-def test_a_planted_state_dir_is_refused_in_one_line(mbpp_store, plant):
-    """Without XDG_RUNTIME_DIR the state dir is /tmp/image_builder-UID: another user can
-    make it first (mode 777, theirs; or ours made open) or put a symlink there, with
-    holder.log pointing at a file of the victim's. OTHER is the victim: no other test
-    uses its /tmp/image_builder-UID."""
+def home_env(home: Path) -> dict[str, str]:
+    """The environment of a user whose home is `home`, without XDG_RUNTIME_DIR or XDG_CONFIG_HOME."""
+    return {**{k: v for k, v in cli_env(None).items() if k != "XDG_CONFIG_HOME"}, "HOME": str(home)}
+
+
+@contextlib.contextmanager
+def planted_state_dir(plant: str):
+    """/tmp/image_builder-OTHER made first: by another user (a directory of theirs, mode 777, or a symlink to
+    one) or left open by the victim, with holder.log pointing at a file of the victim's. Yields (the planted
+    directory, the victim's file)."""
     default = Path(f"/tmp/image_builder-{OTHER}")
     if default.is_symlink() or default.is_file():
         default.unlink()
     elif default.exists():
         shutil.rmtree(default)
-    victims = private_dir(OTHER)
+    victims = user_dir(OTHER)
     precious = victims / "precious"
     precious.write_text("precious\n")
     os.chown(precious, OTHER, OTHER)
-    evil = private_dir(NOBODY)
+    evil = user_dir(NOBODY)
     try:
         planted = default
         if plant == "symlink":
@@ -146,20 +151,58 @@ def test_a_planted_state_dir_is_refused_in_one_line(mbpp_store, plant):
         planted.chmod(0o777)
         (planted / "holder.log").symlink_to(precious)
         os.lchown(planted / "holder.log", NOBODY, NOBODY)
-        r = cli("run", "--store", str(mbpp_store), "512", "--", "true", user=OTHER, xdg=None, text=True)
-        lines = r.stderr.splitlines()
-        assert r.returncode == 1 and len(lines) == 1, r.stderr
-        assert str(default) in lines[0] and "XDG_RUNTIME_DIR" in lines[0], lines
+        yield planted, precious
         assert precious.read_text() == "precious\n"
         assert sorted(p.name for p in planted.iterdir()) == ["holder.log"], "nothing was made in it"
     finally:
-        stop_holders_of(default)
-        if default.is_symlink():
-            default.unlink()
-        else:
-            shutil.rmtree(default, ignore_errors=True)
+        for made in [default, *Path("/tmp").glob(f"image_builder-{OTHER}-*")]:
+            stop_holders_of(made)
+            if made.is_symlink():
+                made.unlink()
+            else:
+                shutil.rmtree(made, ignore_errors=True)
         shutil.rmtree(victims, ignore_errors=True)
         shutil.rmtree(evil, ignore_errors=True)
+
+
+@pytest.mark.xdist_group("other-user-state-dir")  # one at a time: they share /tmp/image_builder-OTHER (conftest)
+@pytest.mark.parametrize("plant", ["foreign", "symlink"])
+def test_a_state_dir_name_taken_by_another_user_does_not_block_runs(mbpp_store, plant):
+    """Without XDG_RUNTIME_DIR the state dir is /tmp/image_builder-UID, a name any user of the node can take
+    first: every run of the victim was refused (a denial of service). The victim's runs now go to
+    /tmp/image_builder-UID-KEY, KEY a secret in their ~/.config, made once (mode 600); nothing is made in, or
+    written through, what was planted."""
+    with planted_state_dir(plant):
+        home = user_dir(OTHER)
+        try:
+            runs = [subprocess.run(as_user(OTHER, [str(EXE), "run", "--store", str(mbpp_store), "512", "--", "echo",
+                                                   "ran"]), capture_output=True, text=True, cwd="/", timeout=300,
+                                   env=home_env(home)) for _ in range(2)]
+            for r in runs:
+                assert r.returncode == 0 and r.stdout == "ran\n", r.stderr
+            key = home / ".config" / "image_builder" / "state-dir.key"
+            assert key.stat().st_uid == OTHER and key.stat().st_mode & 0o777 == 0o600
+            fallback = Path(f"/tmp/image_builder-{OTHER}-{key.read_text().strip()}")
+            st = fallback.lstat()
+            assert stat.S_ISDIR(st.st_mode) and st.st_uid == OTHER and st.st_mode & 0o777 == 0o700
+            assert (fallback / "holder.token").exists(), "both runs used the one fallback (and its holder)"
+            assert [p.name for p in Path("/tmp").glob(f"image_builder-{OTHER}-*")] == [fallback.name]
+        finally:
+            shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.mark.xdist_group("other-user-state-dir")
+@pytest.mark.parametrize("plant", ["foreign", "open", "symlink"])
+def test_a_planted_state_dir_is_refused_in_one_line(mbpp_store, plant):
+    """A state dir of the victim's own left open to others is refused (others may have put files in it); one
+    another user took is refused where the victim has no private place for a key of their own (HOME not
+    theirs). One line naming the directory and XDG_RUNTIME_DIR, nothing written through the planted log."""
+    with planted_state_dir(plant):
+        r = subprocess.run(as_user(OTHER, [str(EXE), "run", "--store", str(mbpp_store), "512", "--", "true"]),
+                           capture_output=True, text=True, cwd="/", timeout=300, env=home_env(Path("/nonexistent")))
+        lines = r.stderr.splitlines()
+        assert r.returncode == 1 and len(lines) == 1, r.stderr
+        assert f"/tmp/image_builder-{OTHER}" in lines[0] and "XDG_RUNTIME_DIR" in lines[0], lines
 
 
 # --- 3. the shell's PATH is the image's -----------------------------------------------------------
@@ -170,7 +213,7 @@ def test_the_shell_keeps_the_image_path_over_etc_profile(mbpp_store, backend, us
     terminal and with commands piped in, the shell has the image's PATH."""
     want = image_path(mbpp_store)
     assert want.startswith("/opt/venv/bin:")
-    xdg = private_dir(user)
+    xdg = user_dir(user)
     cmd = as_user(user, [str(EXE), "shell", "--store", str(mbpp_store), "--backend", backend, "512"])
     try:
         pid, master = pty.fork()
@@ -214,7 +257,7 @@ sys.exit(os.waitstatus_to_exitcode(status))
 def test_run_streams_2_gb_of_output_in_flat_memory_and_stops_at_the_cap(mbpp_store, backend, user):
     """256 MiB on stdin (a pipe) and 2 GiB out: the client stays under 100 MB, passes on
     exactly the default cap (1 GiB) of stdout, then stops the command, says so and exits 125."""
-    xdg = private_dir(user)
+    xdg = user_dir(user)
     rss = xdg / "maxrss"
     cmd = [sys.executable, "-c", MAXRSS, str(rss), *as_user(user, [
         str(EXE), "run", "--store", str(mbpp_store), "--backend", backend, "512", "--",
@@ -306,7 +349,7 @@ def test_a_file_on_stdin_is_a_regular_file_the_run_cannot_write_back(mbpp_store,
 def test_a_state_dir_inside_a_directory_others_can_rename_it_in_is_refused(mbpp_store, owner, mode):
     """XDG_RUNTIME_DIR set to a directory another user owns, or one anyone may write
     that is not sticky: they could swap our private dir for theirs after it is checked."""
-    parent = private_dir(owner)
+    parent = user_dir(owner)
     parent.chmod(mode)
     try:
         r = cli("run", "--store", str(mbpp_store), "512", "--", "true", user=OTHER, xdg=parent, text=True)
@@ -319,14 +362,14 @@ def test_a_state_dir_inside_a_directory_others_can_rename_it_in_is_refused(mbpp_
 
 
 def test_a_state_dir_of_ours_that_others_can_only_read_is_narrowed_to_700(tmp_path):
-    from image_builder.runtime.statedir import private_state_dir
+    from image_builder.runtime.statedir import private_dir
     from image_builder.runtime.mounts import RunnerError
     readable = tmp_path / "readable"
     readable.mkdir(mode=0o755)
     readable.chmod(0o755)
-    assert private_state_dir(readable) == str(readable) and (readable.stat().st_mode & 0o777) == 0o700
-    made = Path(private_state_dir(tmp_path / "a" / "new"))
+    assert private_dir(readable) == str(readable) and (readable.stat().st_mode & 0o777) == 0o700
+    made = Path(private_dir(tmp_path / "a" / "new"))
     assert (made.stat().st_mode & 0o777) == 0o700
     (tmp_path / "link").symlink_to(made)
     with pytest.raises(RunnerError, match="is a symlink"):
-        private_state_dir(tmp_path / "link")
+        private_dir(tmp_path / "link")

@@ -6,6 +6,7 @@ the host, and a catalog workdir the instance lacks. As root (kernel backend) and
 from __future__ import annotations
 
 import json
+import marshal
 import os
 import shutil
 import subprocess
@@ -22,6 +23,9 @@ from image_builder.runtime.session import Backend, InstanceLayers
 from image_builder.store.index import EnvRecord, Index, InstanceRecord, write_index
 from tests.conftest import ROOT, run_cli
 from tests.test_runtime import NOBODY, _env_sif, _images
+from tests.test_runtime_client import stop_holders_of
+
+OTHER = 65533  # the planter of a tree
 
 BARE, PLAIN, RO = "bare", "plain", "ro-task"  # workdir /task (not in the image), /, /data/task (a read-only bind)
 
@@ -188,6 +192,67 @@ def test_the_holder_s_layer_file_cannot_be_swapped_for_a_link():
     assert loops > 100, "the attacker was running all along"
     assert count + refused == 60 and count > refused, (made.stdout, swapped)
     shutil.rmtree(victim_dir, ignore_errors=True)
+
+
+def plant_unpacked_tree(unpack: Path, env_sif: Path) -> None:
+    """Under `unpack`, the tree the runtime would unpack `env_sif` to (its name is computed from the image's
+    path and stat, which anyone who can read the image knows): a root of the planter's with /bin/cat and
+    /marker."""
+    from image_builder.pack.sif import partition_offset
+    from image_builder.pack.squashfs import LayerListing
+    from image_builder.runtime.extract import _layer_key
+
+    entry = unpack / _layer_key(env_sif, partition_offset(env_sif)[0])
+    tree = entry / "tree"
+    for d in ("bin", "lib/x86_64-linux-gnu", "lib64", "proc", "dev", "tmp", "etc", "root", "sys"):
+        (tree / d).mkdir(parents=True)
+    for lib in ("/bin/cat", "/lib/x86_64-linux-gnu/libc.so.6", "/lib64/ld-linux-x86-64.so.2"):
+        shutil.copy2(lib, tree / lib.lstrip("/"))
+    (tree / "marker").write_text("planted\n")
+    (entry / "listing.marshal").write_bytes(marshal.dumps(LayerListing({"marker": "f"}).__dict__))
+    (entry / "source").write_text(f"{env_sif}\n{partition_offset(env_sif)[0]}\n")
+    for path in [unpack, *unpack.rglob("*")]:
+        os.lchown(path, OTHER, OTHER)
+
+
+def test_an_unpack_dir_another_user_can_write_is_refused_in_one_line(store):
+    """Rootless runs unpack the environment under IMAGE_BUILDER_UNPACK_DIR once and reuse the tree they find
+    there by name. In a directory another user owns or can write to (a shared scratch dir), that user had
+    put a tree of theirs under that name, and uid 65534's run used it as its environment (`cat /marker`
+    printed theirs): now refused in one line before anything there is read."""
+    base = Path(tempfile.mkdtemp(prefix="ib-unpack-", dir="/var/tmp"))
+    base.chmod(0o755)
+    home = Path(tempfile.mkdtemp(prefix="ib-holes-", dir="/var/tmp"))
+    os.chown(home, NOBODY, NOBODY)
+    try:
+        theirs = base / "theirs"
+        theirs.mkdir()
+        plant_unpacked_tree(theirs, store / "envs/env.sif")
+        theirs.chmod(0o777)
+        shared = base / "shared"  # the victim's, left open: the planter wrote in it
+        shared.mkdir()
+        plant_unpacked_tree(shared, store / "envs/env.sif")
+        os.chown(shared, NOBODY, NOBODY)
+        shared.chmod(0o777)
+        for unpack, why in ((theirs, f"unpack dir {theirs} is owned by uid {OTHER}"),
+                            (shared, f"unpack dir {shared} is mode 777, writable by others")):
+            r = run_cli("run", "--store", str(store), "--backend", "userns", PLAIN, "--", "cat", "/marker",
+                        user=NOBODY, env={"HOME": str(home), "XDG_RUNTIME_DIR": str(home),
+                                          "IMAGE_BUILDER_UNPACK_DIR": str(unpack)})
+            assert "planted" not in r.stdout
+            assert one_line_error(r).startswith(f"Error: {why}"), r.stderr
+            assert "IMAGE_BUILDER_UNPACK_DIR" in r.stderr
+        mine = home / "unpacked"
+        r = run_cli("run", "--store", str(store), "--backend", "userns", PLAIN, "--", "cat", "/etc/debian_version",
+                    user=NOBODY, env={"HOME": str(home), "XDG_RUNTIME_DIR": str(home),
+                                      "IMAGE_BUILDER_UNPACK_DIR": str(mine)})
+        assert r.returncode == 0 and r.stdout.strip(), r.stderr
+        assert mine.stat().st_uid == NOBODY and mine.stat().st_mode & 0o777 == 0o700 and any(mine.glob("*/tree"))
+    finally:
+        stop_holders_of(home)
+        shutil.rmtree(base, ignore_errors=True)
+        subprocess.run(["chmod", "-R", "u+w", str(home)], check=False)
+        shutil.rmtree(home, ignore_errors=True)
 
 
 # --- 2. what a sandbox's tar sends to `sandbox cp` ------------------------------------------

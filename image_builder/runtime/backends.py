@@ -31,10 +31,10 @@ from pathlib import Path
 from .cgroups import locate_cgroups
 from .execution import Bind
 from .holder import DEFAULT_MAX_PROCESSES
-from .holder_session import HolderSession
+from .holder_session import UNPACK_DIR_ENV, HolderSession
 from .mounts import INIT_MISSING, RunnerError, init_program, squashfuse
 from .session import Backend, InstanceLayers, Session
-from .statedir import default_state_dir, private_state_dir
+from .statedir import default_state_dir, private_dir
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,7 @@ def checked_state_dir(layers: InstanceLayers, state_dir: Path | None) -> Path:
     (with digests) checked on this node."""
     if not Path(layers.env_sif).is_file():
         raise RunnerError(f"environment image {layers.env_sif} not found; build or pull it first")
-    state_dir = Path(private_state_dir(state_dir or default_state_dir()))
+    state_dir = Path(private_dir(state_dir or default_state_dir()))
     if layers.digests:
         from .checked import check_layers
 
@@ -178,7 +178,7 @@ def open_session(layers: InstanceLayers, *, backend: Backend | None = None, stat
     node-local disk: about the image's size uncompressed) and use it instead of
     squashfuse: with plain squashfuse_ll, whose round trip on every open() slows short
     runs by a third, this wins; squashfuse_cached comes close without it. `state_dir`
-    (default: default_state_dir()) must be this user's, mode 700 (private_state_dir).
+    (default: default_state_dir()) must be this user's, mode 700 (private_dir).
     `layers_at`: the layers themselves, read-only, at that path in every run (a warm
     interpreter's, warm.py, which builds its jobs' roots on them); kernel and userns only."""
     backend = backend or detect_backend()
@@ -187,7 +187,7 @@ def open_session(layers: InstanceLayers, *, backend: Backend | None = None, stat
     elif not Path(layers.env_sif).is_file():
         raise RunnerError(f"environment image {layers.env_sif} not found; build or pull it first")
     if backend in (Backend.KERNEL, Backend.USERNS):
-        unpack_dir = unpack_dir or os.environ.get("IMAGE_BUILDER_UNPACK_DIR") or None
+        unpack_dir = unpack_dir or os.environ.get(UNPACK_DIR_ENV) or None
         return HolderSession(layers, backend, state_dir, tuple(binds), max_processes, linger, scratch_mb,
                               Path(unpack_dir) if unpack_dir else None, layers_at=layers_at)
     if layers_at is not None:

@@ -17,11 +17,11 @@ from .execution import Bind, RunRequest, RunResult
 from .holder import IDLE_INIT, PROTOCOL, encode_job, recv_fds, run_joined, send_fds
 from .mounts import RootSpec, RunnerError
 from .session import Backend, InstanceLayers, Session, build_job, build_result, collect, job_descriptors
-from .statedir import TOKEN, open_log, peer, read_token
+from .statedir import TOKEN, open_log, peer, private_dir, read_token
 
 _REPORT_GRACE = 30.0  # seconds past a run's timeout before its silence is an error
 
-
+UNPACK_DIR_ENV = "IMAGE_BUILDER_UNPACK_DIR"  # the default unpack_dir
 _NAME_ENV = "IMAGE_BUILDER_HOLDER_SOCKET"  # how the name reaches the holder: argv is public, environ is not
 
 
@@ -211,6 +211,10 @@ class HolderSession(Session):
                 raise RunnerError(f"bind source {b.src} does not exist; create it or drop the bind")
         unpacked = None
         if unpack_dir is not None and not self._kernel:
+            # Trees are found there by a name anyone who can read the image can compute: one put there by
+            # another user would be the environment.
+            unpack_dir = private_dir(unpack_dir, "unpack dir", f"give a directory of yours no other user can "
+                                     f"write to (mkdir -m 700 DIR), or unset {UNPACK_DIR_ENV}")
             unpacked = _unpacked(Path(unpack_dir), Path(layers.env_sif), offset)
             refs[0] = (str(unpacked.tree), 0, -1)
         msg = {"op": "open", "layers": refs, "linger": float(linger), "scratch_mb": scratch_mb,

@@ -358,9 +358,9 @@ def _sandbox_backend(backend: Backend | None) -> Backend:
 
 def _holder_of(backend: Backend | None, state_dir: Path | None) -> tuple[Backend, Path]:
     """The backend and this user's state dir, where a parked sandbox's holder is found."""
-    from .statedir import default_state_dir, private_state_dir
+    from .statedir import default_state_dir, private_dir
 
-    return _sandbox_backend(backend), Path(private_state_dir(state_dir or default_state_dir()))
+    return _sandbox_backend(backend), Path(private_dir(state_dir or default_state_dir()))
 
 
 def kept_sandboxes(*, backend: Backend | None = None, state_dir: Path | None = None) -> list[dict]:

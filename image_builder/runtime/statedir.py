@@ -19,26 +19,74 @@ def _refuse(message: str):
     raise RunnerError(message)
 
 
+KEY = "state-dir.key"  # in $XDG_CONFIG_HOME/image_builder: the secret part of a fallback state dir's name
+STATE_DIR_FIX = "set XDG_RUNTIME_DIR to a directory of yours (mode 700)"
+
+
 def default_state_dir() -> str:
-    """Per user, on local disk: $XDG_RUNTIME_DIR/image_builder, else /tmp/image_builder-UID."""
+    """Per user, on local disk: $XDG_RUNTIME_DIR/image_builder, else /tmp/image_builder-UID; where another
+    user took that name first (a directory of theirs, a symlink: anyone can make it, and so block every run
+    of ours), /tmp/image_builder-UID-KEY, KEY a secret of ours (state_key): a name nobody else can know."""
     runtime_dir = os.environ.get("XDG_RUNTIME_DIR")
     if runtime_dir and os.path.isdir(runtime_dir):
         return os.path.join(runtime_dir, "image_builder")
-    return f"/tmp/image_builder-{os.getuid()}"
+    path = f"/tmp/image_builder-{os.getuid()}"
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return path
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
+        return path  # ours: private_dir checks the rest
+    taken = "a symlink" if stat.S_ISLNK(st.st_mode) else f"owned by uid {st.st_uid}"
+    return f"{path}-{state_key(f'{path} is {taken}')}"
 
 
-def private_state_dir(path: str | os.PathLike) -> str:
-    """`path`, made mode 700 if missing; refused (RunnerError) if it is a symlink, is
-    another user's or writable by others: /tmp/image_builder-UID is a name anyone can
-    take first, and a planted holder.log symlink would make us append wherever it points.
-    Our own directory that only lets others read is narrowed to 700: no one else can
+def state_key(why: str) -> str:
+    """This user's secret for a state dir name (32 hex digits), made once, readable by us alone; published
+    whole (written under a temporary name, then linked into place), so concurrent first runs agree on it."""
+    folder = os.path.join(os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config"),
+                          "image_builder")
+    path = os.path.join(folder, KEY)
+    try:
+        os.makedirs(folder, 0o700, exist_ok=True)
+        if not os.path.lexists(path):
+            temp = f"{path}.{os.getpid()}.{os.urandom(4).hex()}"
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                os.write(fd, (os.urandom(16).hex() + "\n").encode())
+                os.close(fd)
+                os.link(temp, path)
+            except FileExistsError:
+                pass  # another first run's key is the one
+            finally:
+                os.unlink(temp)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            key = os.read(fd, 64).decode("ascii", "replace").strip()
+        finally:
+            os.close(fd)
+    except OSError as e:
+        _refuse(f"{why}, and no private name can be kept in {path} ({e.strerror}): {STATE_DIR_FIX}")
+    if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077 or len(key) != 32 \
+            or not all(c in "0123456789abcdef" for c in key):
+        _refuse(f"{why}, and {path} is not a private key of ours (32 hex digits, mode 600): remove it, or "
+                f"{STATE_DIR_FIX}")
+    return key
+
+
+def private_dir(path: str | os.PathLike, what: str = "state dir", fix: str = STATE_DIR_FIX) -> str:
+    """`path`, made mode 700 if missing; refused (RunnerError, naming it as `what`, saying `fix`) if it is a
+    symlink, is another user's or writable by others: /tmp/image_builder-UID is a name anyone can
+    take first, and a planted holder.log symlink would make us append wherever it points; an unpack dir
+    someone else can write to could hold a tree of theirs under the name we would unpack to, used as
+    the environment. Our own directory that only lets others read is narrowed to 700: no one else can
     have put anything in it. Refused too inside a directory another user could rename it
     out of (check_ancestors)."""
     parent, name = os.path.split(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     path = os.path.join(os.path.realpath(parent), name)  # the directories checked are the ones used
-    fix = "set XDG_RUNTIME_DIR to a directory of yours (mode 700)"
-    check_ancestors(path, fix)
+    check_ancestors(path, fix, what)
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
@@ -47,7 +95,7 @@ def private_state_dir(path: str | os.PathLike) -> str:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
         why = "a symlink" if os.path.islink(path) else f"not usable ({e.strerror})"
-        _refuse(f"state dir {path} is {why}: another user may control it; remove it, or {fix}")
+        _refuse(f"{what} {path} is {why}: another user may control it; remove it, or {fix}")
     try:
         st = os.fstat(fd)
         mode = stat.S_IMODE(st.st_mode)
@@ -61,7 +109,7 @@ def private_state_dir(path: str | os.PathLike) -> str:
             return path
     finally:
         os.close(fd)
-    _refuse(f"state dir {path} is {why}: another user may control it; {fix}")
+    _refuse(f"{what} {path} is {why}: another user may control it; {fix}")
 
 
 def check_ancestors(path: str | os.PathLike, fix: str, what: str = "state dir", itself: bool = False) -> None:
