@@ -20,7 +20,7 @@ from image_builder.oci.trees import MAX_DEPTH, TreeError, walk
 from image_builder.pack.overlay import normalise_upper
 from image_builder.tasks import DatasetError, load_tasks, read_lines
 from tests.conftest import DATA, ROOT, run_cli
-from tests.support.oci import Blob, Entry, Pusher, config_blob, layer, tar_bytes
+from tests.support.oci import Blob, Entry, Pusher, config_blob, index, layer, manifest, tar_bytes
 
 TASKS = DATA / "mbpp_train_40_impossible.jsonl"
 EXE = ROOT / ".venv" / "bin" / "image-builder"
@@ -218,3 +218,47 @@ def test_importing_an_image_with_a_2000_deep_path_fails_in_one_line(registries, 
     assert r.returncode != 0, r.stdout
     assert "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr[-3000:]
     assert "a path 2002 levels deep" in r.stderr and f"at most {MAX_DEPTH} levels deep" in r.stderr, r.stderr
+
+
+def _oci_layout(root: Path, own: Blob) -> None:
+    """An OCI image layout with one image, tagged `t`, whose one layer is `own`."""
+    config = config_blob()
+    image = manifest(config, [own])
+    for blob in (own, config, image):
+        path = root / "blobs/sha256" / blob.digest.split(":")[1]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(blob.data)
+    (root / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+    doc = json.loads(index([(image, None, {"org.opencontainers.image.ref.name": "t"})]).data)
+    (root / "index.json").write_text(json.dumps(doc))
+
+
+def test_a_blob_cache_others_can_write_to_is_refused(tmp_path):
+    """A blob in the cache is trusted by its digest's file name. In a cache every user may write to, another
+    user put a layer of theirs under the digest of an image's layer (digests of public images are public),
+    and `pull --rootfs` flattened theirs: now refused in one line; a cache of ours still pulls."""
+    from image_builder.oci.cache import BlobCache, UnsafeCache
+
+    theirs = layer([Entry("etc/planted", b"theirs\n")])
+    own = layer([Entry("etc/mine", b"mine\n")])
+    _oci_layout(tmp_path / "layout", own)
+    shared = tmp_path / "shared"
+    planted = shared / "blobs/sha256" / own.digest.split(":")[1]
+    planted.parent.mkdir(parents=True)
+    planted.write_bytes(theirs.data)
+    for path in (shared, shared / "blobs", shared / "blobs/sha256"):
+        path.chmod(0o777)
+    os.chown(planted, 65534, 65534)
+    r = run_cli("pull", f"oci:{tmp_path / 'layout'}:t", "--cache-dir", str(shared), "--rootfs",
+                str(tmp_path / "root"))
+    assert not (tmp_path / "root/etc/planted").exists(), "the planted layer was flattened"
+    message = _one_line(r)
+    assert f"blob cache {shared}" in message and "writable by every user" in message, message
+    os.chown(shared, 65534, 65534)
+    shared.chmod(0o755)
+    with pytest.raises(UnsafeCache, match="owned by uid 65534"):
+        BlobCache(shared)
+    r = run_cli("pull", f"oci:{tmp_path / 'layout'}:t", "--cache-dir", str(tmp_path / "mine"), "--rootfs",
+                str(tmp_path / "root"))
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "root/etc/mine").read_text() == "mine\n" and not (tmp_path / "root/etc/planted").exists()
