@@ -36,6 +36,7 @@ from pathlib import Path
 from image_builder.errors import ImageBuilderError
 from image_builder.runtime.execution import RunRequest, RunResult
 from image_builder.runtime.session import InstanceLayers
+from image_builder.runtime.statedir import config_dir
 from image_builder.runtime.warm import WarmExecutor, WarmPools, run_warm
 from image_builder.submit import MAX_SECONDS, BadSubmit, Submission, evaluate, parse_submit
 
@@ -375,8 +376,7 @@ class Runner:
 # --- the token ------------------------------------------------------------------------------------
 
 def default_token_file() -> Path:
-    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-    return Path(base) / "image_builder" / "serve.token"
+    return Path(config_dir()) / "serve.token"
 
 
 def load_or_create_token(path: Path) -> tuple[str, bool]:

@@ -41,11 +41,22 @@ def default_state_dir() -> str:
     return f"{path}-{state_key(f'{path} is {taken}')}"
 
 
+def config_dir() -> str:
+    """This user's configuration of image_builder: $XDG_CONFIG_HOME/image_builder, else ~/.config/image_builder
+    (serve's token, the state dir key)."""
+    return os.path.join(os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config"),
+                        "image_builder")
+
+
+def _hex32(text: str) -> bool:
+    """Whether `text` is a secret as state_key and new_token make them: 32 lower-case hex digits."""
+    return len(text) == 32 and all(c in "0123456789abcdef" for c in text)
+
+
 def state_key(why: str) -> str:
     """This user's secret for a state dir name (32 hex digits), made once, readable by us alone; published
     whole (written under a temporary name, then linked into place), so concurrent first runs agree on it."""
-    folder = os.path.join(os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config"),
-                          "image_builder")
+    folder = config_dir()
     path = os.path.join(folder, KEY)
     try:
         os.makedirs(folder, 0o700, exist_ok=True)
@@ -68,8 +79,7 @@ def state_key(why: str) -> str:
             os.close(fd)
     except OSError as e:
         _refuse(f"{why}, and no private name can be kept in {path} ({e.strerror}): {STATE_DIR_FIX}")
-    if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077 or len(key) != 32 \
-            or not all(c in "0123456789abcdef" for c in key):
+    if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077 or not _hex32(key):
         _refuse(f"{why}, and {path} is not a private key of ours (32 hex digits, mode 600): remove it, or "
                 f"{STATE_DIR_FIX}")
     return key
@@ -149,7 +159,7 @@ def read_token(state_dir: str | os.PathLike) -> str | None:
         _refuse(f"cannot read {path}: {e.strerror}; remove it")
     with os.fdopen(fd) as f:
         token = f.read().strip()
-    return token if len(token) == 32 and all(c in "0123456789abcdef" for c in token) else None
+    return token if _hex32(token) else None
 
 
 def open_log(state_dir: str | os.PathLike) -> int:
