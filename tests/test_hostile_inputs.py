@@ -236,7 +236,8 @@ def _oci_layout(root: Path, own: Blob) -> None:
 def test_a_blob_cache_others_can_write_to_is_refused(tmp_path):
     """A blob in the cache is trusted by its digest's file name. In a cache every user may write to, another
     user put a layer of theirs under the digest of an image's layer (digests of public images are public),
-    and `pull --rootfs` flattened theirs: now refused in one line; a cache of ours still pulls."""
+    and `pull --rootfs` flattened theirs: now refused in one line, as is a cache inside a directory another
+    user could rename it out of; a cache of ours still pulls."""
     from image_builder.oci.cache import BlobCache, UnsafeCache
 
     theirs = layer([Entry("etc/planted", b"theirs\n")])
@@ -253,11 +254,17 @@ def test_a_blob_cache_others_can_write_to_is_refused(tmp_path):
                 str(tmp_path / "root"))
     assert not (tmp_path / "root/etc/planted").exists(), "the planted layer was flattened"
     message = _one_line(r)
-    assert f"blob cache {shared}" in message and "writable by every user" in message, message
+    assert f"blob cache {shared}" in message and "mode 777, writable by others" in message, message
     os.chown(shared, 65534, 65534)
     shared.chmod(0o755)
     with pytest.raises(UnsafeCache, match="owned by uid 65534"):
         BlobCache(shared)
+    # A cache of ours inside a directory of another user's: they could rename it away and put theirs there.
+    theirs_dir = tmp_path / "theirs"
+    (theirs_dir / "cache").mkdir(parents=True)
+    os.chown(theirs_dir, 65534, 65534)
+    with pytest.raises(UnsafeCache, match=f"{theirs_dir} is owned by uid 65534"):
+        BlobCache(theirs_dir / "cache")
     r = run_cli("pull", f"oci:{tmp_path / 'layout'}:t", "--cache-dir", str(tmp_path / "mine"), "--rootfs",
                 str(tmp_path / "root"))
     assert r.returncode == 0, r.stderr

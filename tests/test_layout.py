@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "image_builder"
 
 # Lowest first; a module may import its own stage and the ones before it.
 STAGES = [
-    {"errors", "progress", "tasks", ""},  # "" is image_builder/__init__.py (the version)
+    {"errors", "ownership", "progress", "tasks", ""},  # "" is image_builder/__init__.py (the version)
     {"oci"},
     {"pack"},
     {"store"},

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from image_builder.errors import ImageBuilderError
+from image_builder.ownership import unsafe_ancestor
 
 
 class DigestMismatch(ImageBuilderError, ValueError):
@@ -60,16 +61,15 @@ class BlobCache:
         for sub in ("blobs/sha256", "partial", "locks"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         # A blob found under its digest's name is trusted without being hashed again: a directory of the
-        # cache that another user owns or anyone may write to would let them plant the layers of an image
-        # whose digests they know (a public one's). Group-writable is a team's cache, shared on purpose.
-        for sub in ("", "blobs", "blobs/sha256"):
-            st = os.stat(self.root / sub)
-            why = (f"owned by uid {st.st_uid}" if st.st_uid not in (0, os.geteuid()) else
-                   f"mode {st.st_mode & 0o7777:o}, writable by every user" if st.st_mode & 0o002 else "")
-            if why:
-                raise UnsafeCache(f"blob cache {self.root}: {(self.root / sub).resolve()} is {why}: another user "
-                                  "could put a blob there under a digest it would be trusted for; use a cache "
-                                  "directory of yours others cannot write to (--cache-dir, IMAGE_BUILDER_CACHE)")
+        # cache that another user owns or anyone may write to, or one above it they could rename it out
+        # of, would let them plant the layers of an image whose digests they know (a public one's).
+        # Group-writable is a team's cache, shared on purpose.
+        found = unsafe_ancestor(self.root.resolve() / "blobs" / "sha256", writable=0o002, itself=True)
+        if found:
+            where, why = found
+            raise UnsafeCache(f"blob cache {self.root}: {where} is {why}: another user could put a blob there "
+                              "under a digest it would be trusted for; use a cache directory of yours others "
+                              "cannot write to (--cache-dir, IMAGE_BUILDER_CACHE)")
 
     def path(self, digest: str) -> Path:
         return self.root / "blobs" / "sha256" / split_digest(digest)

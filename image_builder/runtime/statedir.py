@@ -9,6 +9,8 @@ import os
 import stat
 import sys
 
+from image_builder.ownership import unsafe_ancestor
+
 TOKEN = "holder.token"  # in the state dir (mode 700): the secret part of the holder's socket name
 LOG = "holder.log"  # in the state dir: what the holder and the CLI server say
 
@@ -123,27 +125,13 @@ def private_dir(path: str | os.PathLike, what: str = "state dir", fix: str = STA
 
 
 def check_ancestors(path: str | os.PathLike, fix: str, what: str = "state dir", itself: bool = False) -> None:
-    """Refuse a state dir whose parents another user could rename it out of: each one up
-    to / must be root's or ours, and writable by others only if sticky (as /tmp is), as
-    OpenSSH checks the paths of its keys. A private dir of ours is otherwise swapped
-    after the check (XDG_RUNTIME_DIR is the user's to set, on HPC often a shared dir).
-    `itself`: `path` too, writable by no one else even if sticky (a sandbox's layer dir)."""
+    """Refuse a state dir whose parents another user could rename it out of (ownership.unsafe_ancestor):
+    XDG_RUNTIME_DIR is the user's to set, on HPC often a shared dir. `itself`: `path` too, writable by no
+    one else even if sticky (a sandbox's layer dir)."""
     path = os.path.abspath(path)
-    chain, d = [], path
-    while True:
-        d = os.path.dirname(d)
-        chain.append(d)
-        if d == "/":
-            break
-    for d in [path, *chain] if itself else chain:
-        st = os.lstat(d)
-        mode = stat.S_IMODE(st.st_mode)
-        if st.st_uid not in (0, os.geteuid()):
-            why = f"owned by uid {st.st_uid}"
-        elif mode & 0o022 and (d == path or not mode & stat.S_ISVTX):
-            why = f"mode {mode:o}, writable by others" + ("" if d == path else " and not sticky")
-        else:
-            continue
+    found = unsafe_ancestor(path, itself=itself)
+    if found:
+        d, why = found
         where, swapped = ("", "files in it") if d == path else (f"inside {d}, ", "it")
         _refuse(f"{what} {path} is {where}{why}: another user may swap {swapped}; {fix}")
 
