@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from image_builder.errors import ImageBuilderError
+from image_builder.ownership import unsafe_ancestor
 from image_builder.runtime.execution import RunRequest, RunResult
 from image_builder.runtime.session import InstanceLayers
 from image_builder.runtime.statedir import config_dir
@@ -158,8 +159,9 @@ def parse_request(doc: object) -> RunCodeRequest:
             continue
         if not isinstance(content, str):
             raise BadRequest(f"files[{name!r}] must be a base64 string")
+        path = _path(name, "files")
         try:
-            decoded[_path(name, "files")] = base64.b64decode(content, validate=True)
+            decoded[path] = base64.b64decode(content, validate=True)
         except (binascii.Error, ValueError):
             raise BadRequest(f"files[{name!r}] is not valid base64") from None
     fetch = doc.get("fetch_files") or []
@@ -397,9 +399,16 @@ def load_or_create_token(path: Path) -> tuple[str, bool]:
     except OSError as exc:
         raise ServeError(f"{path}: cannot read the token file ({exc.strerror})") from None
     with os.fdopen(fd) as f:
-        if os.fstat(f.fileno()).st_mode & 0o077:
+        st = os.fstat(f.fileno())
+        if st.st_mode & 0o077:
             raise ServeError(f"{path}: other users can read this token file; chmod 600 it (or give another "
                              "--token-file)")
+        # Another user's file (a root server reads it all the same), or one in a directory another user could
+        # swap it in: its token may be theirs to know.
+        found = (str(path), f"owned by uid {st.st_uid}") if st.st_uid != os.geteuid() else unsafe_ancestor(path)
+        if found:
+            raise ServeError(f"{path}: {found[0]} is {found[1]}: another user may know this token; give a "
+                             "--token-file of yours in a directory of yours")
         token = f.read().strip()
     if not token or any(c.isspace() for c in token):
         raise ServeError(f"{path}: expected one token (no spaces) in the file")

@@ -394,7 +394,7 @@ def test_a_conda_environment_from_the_site_s_channel(tmp_path, debian_base, regi
 
 
 def unprivileged_build(tmp_root: Path, catalog: Path, ca: Path, backend: str) -> subprocess.CompletedProcess:
-    tmp_root.chmod(0o777)
+    tmp_root.chmod(0o1777)  # sticky, as /tmp: a cache in a directory others may rename it out of is refused
     return run_cli("build", str(catalog), "--store", str(tmp_root / "store"), "--cache-dir", str(tmp_root / "cache"),
                    "--ca-cert", str(ca), "--backend", backend, user=65534,
                    env={"HOME": str(tmp_root), "XDG_CACHE_HOME": str(tmp_root / "xdg"),

@@ -382,3 +382,105 @@ def test_a_grade_in_an_instance_that_lacks_its_workdir_is_not_an_error(store, us
     assert r.returncode == 0, r.stderr
     [result] = [json.loads(line) for line in out.read_text().splitlines()]
     assert (result["status"], result["score"]) == ("passed", 1.0), result
+
+
+# --- the init's descriptors ------------------------------------------------------------------
+
+
+def test_file_names_and_workdirs_cannot_reach_the_init_s_descriptors(store, tmp_path):
+    """The init writes a run's files and enters its workdir while it holds host descriptors: the
+    run's cgroup directory on the host's cgroupfs and the holder's log. A file named
+    /proc/self/fd/N/../../X made a cgroup at the root of the host's hierarchy (and `cgroup.procs`
+    there took the run out of its pids limit), /proc/self/fd/2 rewrote the holder's log (red team,
+    serve's /run_code `files`). /proc's magic links are no longer followed there, and no /proc
+    file is written."""
+    from image_builder.runtime.backends import open_session
+    from image_builder.runtime.execution import RunRequest
+    from image_builder.store.store import Store
+
+    resolved = Store.open(store).resolve(PLAIN)
+    layers = InstanceLayers(resolved.env_sif, resolved.overlays, resolved.env, resolved.workdir)
+    proof = "ib-holes-proof"
+    state = tmp_path / "state"
+    with open_session(layers, state_dir=state) as session:
+        assert session.run(RunRequest(("true",))).exit_code == 0
+        log = (state / "holder.log").read_bytes()
+        attempts = [{"/proc/self/fd/2": b"forged\n"}, {"/proc/self/oom_score_adj": b"500\n"}]
+        attempts += [{f"/proc/self/fd/{n}/../../{proof}/x": b""} for n in range(3, 16)]
+        attempts += [{f"/proc/1/fd/{n}/../{proof}/x": b""} for n in range(3, 16)]
+        for files in attempts:
+            with pytest.raises(RunnerError):
+                session.run(RunRequest(("true",), files=files))
+        for n in range(3, 16):
+            with pytest.raises(RunnerError):
+                session.run(RunRequest(("sh", "-c", f"mkdir {proof}"), workdir=f"/proc/self/fd/{n}/../.."))
+        assert (state / "holder.log").read_bytes().startswith(log), "the holder's log was rewritten"
+        r = session.run(RunRequest(("cat", "/tmp/d/x"), files={"/tmp/d/x": b"plain files still go in\n"}))
+        assert r.stdout == b"plain files still go in\n", r
+    made = [p for p in Path("/sys/fs/cgroup").rglob(proof)]
+    for p in made:
+        p.rmdir()
+    assert made == [], made
+
+
+# --- what a case leaves for the next ---------------------------------------------------------
+
+COUNTER = '''
+import os
+MAGIC = 1000000
+PATHS = ("/dev/null", "/proc", "/dev/pts", "/dev/shm", "/tmp")
+def _count():
+    seen = 0
+    for p in PATHS:
+        try:
+            m = int(os.stat(p).st_mtime)
+            if MAGIC <= m < MAGIC + 1000:
+                seen = max(seen, m - MAGIC + 1)
+        except OSError:
+            pass
+    for p in PATHS:
+        try:
+            os.utime(p, (MAGIC + seen, MAGIC + seen))
+        except OSError:
+            pass
+    return seen
+'''
+
+
+def test_a_case_leaves_no_count_for_the_next_in_the_times_of_what_it_cannot_empty(store, user):
+    """Conflicting cases (the same input, A then B) passed whole: a candidate kept a count in the times of
+    what every case's run shares and nothing empties (red team): the host's /dev/null (root's runs), the
+    tops of /proc and /dev/pts (a warm interpreter's jobs; a reused init's root), /tmp and /dev/shm (a
+    reused init's, emptied but their times kept). Now each case sees them as the first did: half passes.
+    And a run cannot chmod the host's device nodes (root's runs are the host's root)."""
+    uid, env, home = user
+    tasks, predictions, out = home / "tasks.jsonl", home / "predictions.jsonl", home / "results.jsonl"
+    tasks.write_text(json.dumps({"task_id": PLAIN, "inputs": ["1\n"] * 4, "outputs": ["A", "B"] * 2}) + "\n"
+                     + json.dumps({"task_id": PLAIN, "impossible_type": "conflicting",
+                                   "assert_case": ["assert f(1) == 2", "assert f(1) == 3"] * 2}) + "\n")
+    predictions.write_text(
+        json.dumps({"task_id": PLAIN, "solution": COUNTER + "input()\nprint('AB'[_count() % 2])\n"}) + "\n"
+        + json.dumps({"task_id": f"{PLAIN}__conflicting", "solution": COUNTER + "def f(x):\n    return 2 + _count() % 2\n"})
+        + "\n")
+    if uid is not None:
+        for path in (tasks, predictions):
+            os.chown(path, uid, uid)
+    null = os.stat("/dev/null")
+    try:
+        r = run_cli("grade", "--store", str(store), "--tasks", str(tasks), "--predictions", str(predictions),
+                    "-o", str(out), user=uid, env=env)
+        assert r.returncode == 0, r.stderr
+        results = {row["task_id"]: row for row in map(json.loads, out.read_text().splitlines())}
+        assert {k: (v["status"], v["score"]) for k, v in results.items()} == {
+            PLAIN: ("failed", 0.5), f"{PLAIN}__conflicting": ("failed", 0.5)}, results
+        r = run_cli("run", "--store", str(store), PLAIN, "--", "sh", "-c",
+                    "chmod 600 /dev/full; chown 12:12 /dev/zero; touch -d @5 /dev/null; echo done",
+                    user=uid, env=env)
+        assert r.stdout == "done\n", r.stderr
+        assert os.stat("/dev/full").st_mode & 0o777 == 0o666 and os.stat("/dev/zero").st_uid == 0
+    finally:
+        os.utime("/dev/null", ns=(null.st_atime_ns, null.st_mtime_ns))
+        os.chmod("/dev/full", 0o666)
+        os.chown("/dev/zero", 0, 0)
+    assert os.stat("/dev/null").st_mtime_ns == null.st_mtime_ns
+

@@ -276,6 +276,16 @@ def test_the_token(mbpp_store, tmp_path):
     r = subprocess.run([str(EXE), "serve", "--store", str(mbpp_store), "--token-file", str(token_file)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "other users can read this token file" in r.stderr and "Traceback" not in r.stderr
+    # A private token file another user made (or one they could swap: in their directory) holds a token they know:
+    # a root server took it (red team).
+    token_file.chmod(0o600)
+    for owner in (token_file, token_file.parent):
+        os.chown(owner, 65534, 65534)
+        r = subprocess.run([str(EXE), "serve", "--store", str(mbpp_store), "--token-file", str(token_file)],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0 and "is owned by uid 65534: another user may know this token" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        os.chown(owner, 0, 0)
 
 
 HOLD = """
@@ -426,6 +436,11 @@ def test_an_unknown_environment_is_one_line_naming_the_ones_there(mbpp_store, co
 
 @pytest.mark.parametrize("name, status, says", [
     ("/proc/self/x", "SandboxError", "cannot write /proc/self/x"),
+    # Through /proc's magic links, the init's descriptors: the run's cgroup directory on the host (a cgroup made
+    # at the root of the host's hierarchy; the run moved out of its pids limit), the holder's log (red team).
+    ("/proc/self/fd/10/../../cgroup.procs", "SandboxError", "mkdir /proc/self/fd/10/../..: "),
+    ("/proc/self/fd/2", "SandboxError", "cannot write /proc/self/fd/2: Symbolic link loop"),
+    ("/proc/self/oom_score_adj", "SandboxError", "cannot write /proc/self/oom_score_adj: not a regular file"),
     ("d/", "SandboxError", "cannot write /sandbox/d/: Is a directory"),
     (".", "SandboxError", "cannot write /sandbox/.: Is a directory"),
     ("/", "SandboxError", "cannot write /: Is a directory"),

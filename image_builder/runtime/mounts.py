@@ -274,7 +274,11 @@ def dev_template(path: str) -> None:
     mount("dev", path, "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=755,size=64k")
     for name in DEV_NODES:
         os.close(os.open(f"{path}/{name}", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666))
-        mount(f"/dev/{name}", f"{path}/{name}", None, MS_BIND)
+        # Read-only binds (copies keep it: the runs' /dev, the /proc files masked with null): the nodes are the
+        # host's, and root of a run is the host's root in the kernel backend; a writable bind let a run chmod
+        # the host's /dev/null, and carry a count from run to run in its times. Reading and writing a device
+        # is not writing its file system: they still work.
+        bind_readonly(f"/dev/{name}", f"{path}/{name}")
     os.close(os.open(f"{path}/console", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))  # a shell's terminal
     for d in ("pts", "shm"):
         os.mkdir(f"{path}/{d}")

@@ -123,8 +123,10 @@ def build_root(layers, scratch_kb):
             raise OSError("a masked /proc")
         mount("proc", "proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     except OSError:  # a masked /proc above (kernel backend): that one, masks and all
-        mount("/proc", "proc", None, MS_BIND | MS_REC)
-    mount("/dev", "dev", None, MS_BIND | MS_REC)
+        mount("/proc", "proc", None, MS_BIND | MS_REC)  # every job's: serve() retires on a change to its top
+    mount("/dev", "dev", None, MS_BIND | MS_REC)  # its nodes are read-only binds (runtime/mounts.py)
+    # A devpts of the job's own: the zygote's was every job's (the times of its top carried a count).
+    mount("devpts", "dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620")
     mount("shm", "dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777," + shm)
     check(libc.syscall(SYSCALLS[os.uname().machine][1], b".", b"."), "pivot_root")
     check(libc.umount2(b".", MNT_DETACH), "detach the zygote's root")
@@ -320,7 +322,7 @@ def serve(layers, program):
     os.dup2(null, 0)
     os.close(null)
     ctl.sendall(b'{"ready": true}')
-    group = autogroup()
+    group, proc = autogroup(), proc_top()
     while True:
         fds = array.array("i")
         try:
@@ -335,12 +337,21 @@ def serve(layers, program):
         answer = run_job(json.loads(msg.decode()), list(fds), layers, code, program)
         for fd in fds:
             os.close(fd)
-        retire = autogroup() != group  # the job reniced it through /proc/ZYGOTE/autogroup: no later job slowed
+        # The job reniced it through /proc/ZYGOTE/autogroup (no later job slowed), or set the times of the top
+        # of the zygote's /proc, which is every job's where it is masked (kernel backend): a count the next job
+        # read (red team). The zygote's run then ends, and its init's root is not reused (init.c traces).
+        retire = ("a job changed the zygote's scheduling group" if autogroup() != group else
+                  "a job changed the times of /proc" if proc_top() != proc else None)
         if retire:
-            answer["retire"] = "a job changed the zygote's scheduling group"
+            answer["retire"] = retire
         ctl.sendall(json.dumps(answer).encode())
         if retire:
             return
+
+
+def proc_top():
+    st = os.stat("/proc")
+    return st.st_mtime_ns, st.st_ctime_ns, st.st_mode, st.st_uid
 
 
 def autogroup():

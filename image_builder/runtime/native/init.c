@@ -57,6 +57,7 @@
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <sys/statvfs.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -77,6 +78,8 @@
 #ifndef AT_RECURSIVE
 #define AT_RECURSIVE 0x8000
 #endif
+#define RESOLVE_NO_MAGICLINKS 0x02 /* linux/openat2.h, which musl's headers lack */
+#define PROC_SUPER_MAGIC 0x9fa0
 #define CLOSE_RANGE_CLOEXEC 4
 #define FSPICK_CLOEXEC 0x1
 #define FSPICK_EMPTY_PATH 0x8
@@ -172,24 +175,59 @@ static int bind_readonly(const char *src, const char *target) {
     return do_mount(NULL, target, NULL, flags, NULL);
 }
 
+/* open(2) that follows no /proc magic link (/proc/self/fd/N, /proc/N/cwd): a path a job names, or
+   an image's symlink, must not reach a descriptor this init holds (the run's cgroup directory on
+   the host's cgroupfs, the holder's log): a file named /proc/self/fd/10/../../cgroup.procs moved the
+   init out of its cgroup, and the init is the host's root in the kernel backend. */
+static int open_beneath(int dir, const char *path, int flags, mode_t mode) {
+    struct { uint64_t flags, mode, resolve; } how = {(uint64_t)flags, flags & O_CREAT ? mode : 0,
+                                                     RESOLVE_NO_MAGICLINKS};
+    int fd = syscall(SYS_openat2, dir, path, &how, sizeof how);
+    if (fd >= 0 || errno != ENOSYS)
+        return fd;
+    /* Before Linux 5.6 (no openat2): no symlink is followed at all. */
+    char p[PATH_MAX], *save = NULL, *name, *next;
+    if (snprintf(p, sizeof p, "%s", path) >= (int)sizeof p)
+        return errno = ENAMETOOLONG, -1;
+    int at = openat(dir, *p == '/' ? "/" : ".", O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (!(name = strtok_r(p, "/", &save)))
+        name = ".";
+    while (at >= 0 && (next = strtok_r(NULL, "/", &save))) {
+        int sub = openat(at, name, O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+        close(at);
+        at = sub;
+        name = next;
+    }
+    if (at < 0)
+        return -1;
+    fd = openat(at, name, flags | O_NOFOLLOW, mode);
+    int e = errno;
+    close(at);
+    errno = e;
+    return fd;
+}
+
+/* Each directory of `path` made where missing (0777, less the umask), one component at a time
+   (open_beneath: mkdir(2) of a whole path would follow a magic link in it). */
 static int mkdirs(const char *path) {
-    char p[PATH_MAX];
+    char p[PATH_MAX], *save = NULL;
     if (snprintf(p, sizeof p, "%s", path) >= (int)sizeof p)
         return fail("path too long: %s", path);
-    for (char *s = p + 1;; s++) {
-        if (*s == '/' || !*s) {
-            char c = *s;
-            *s = 0;
-            if (mkdir(p, 0777) && errno != EEXIST) {
-                int e = errno;
-                fail("mkdir %s: %s", p, strerror(e));
-                errno = e; /* for the caller's message */
-                return -1;
-            }
-            if (!(*s = c))
-                return 0;
-        }
+    int dir = open_beneath(AT_FDCWD, *p == '/' ? "/" : ".", O_PATH | O_DIRECTORY | O_CLOEXEC, 0);
+    for (char *name = strtok_r(p, "/", &save); dir >= 0 && name; name = strtok_r(NULL, "/", &save)) {
+        int next = mkdirat(dir, name, 0777) && errno != EEXIST ? -1 :
+                   open_beneath(dir, name, O_PATH | O_DIRECTORY | O_CLOEXEC, 0);
+        close(dir);
+        dir = next;
     }
+    if (dir < 0) {
+        int e = errno;
+        fail("mkdir %s: %s", path, strerror(e));
+        errno = e; /* for the caller's message */
+        return -1;
+    }
+    close(dir);
+    return 0;
 }
 
 /* A run's network without the network: a new namespace has only lo, and it is down (tests still
@@ -653,6 +691,20 @@ static void traces(struct buf *b, int mqueues) {
         mark_dir(b, fd, 0);
         close(fd);
     }
+    /* The tops of this root's /proc and devpts, which no run empties: a run (the host's root in the
+       kernel backend) set their times, a count the next run read (red team). Their entries come and
+       go with processes and terminals: times, owner and mode only. */
+    static const char *const tops[] = {"/proc", "/dev/pts"};
+    for (size_t i = 0; i < 2; i++) {
+        if (stat(tops[i], &st)) {
+            put(b, "?", 1);
+            continue;
+        }
+        put(b, &st.st_mode, sizeof st.st_mode);
+        put(b, &st.st_uid, sizeof st.st_uid);
+        put(b, &st.st_mtim, sizeof st.st_mtim);
+        put(b, &st.st_ctim, sizeof st.st_ctim);
+    }
     if (fstat(mqueues, &st))
         put(b, "?", 1);
     else
@@ -688,12 +740,14 @@ static int empty_dir(int fd, dev_t dev, int depth) {
     return ok ? 0 : -1;
 }
 
-/* Empty the run's /tmp and /dev/shm for a next run in this root; -1 if something stays. */
-static int empty_scratch(void) {
+/* Empty the run's /tmp and /dev/shm for a next run in this root, their access and modification times
+   put back as they were at the root's first mark (`times`, filled then); -1 if something stays.
+   (Their ctime is the emptying's: when a run ended, not a value it chose.) */
+static int empty_scratch(struct timespec times[2][2]) {
     for (size_t i = 0; i < 2; i++) {
         struct stat st;
         int fd = open(SCRATCH_DIRS[i], O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-        int ok = fd >= 0 && !fstat(fd, &st) && !empty_dir(fd, st.st_dev, 0);
+        int ok = fd >= 0 && !fstat(fd, &st) && !empty_dir(fd, st.st_dev, 0) && !futimens(fd, times[i]);
         if (fd >= 0)
             close(fd);
         if (!ok)
@@ -775,7 +829,8 @@ static int decode_job(char *data, size_t len, struct job *j) {
 }
 
 /* Into the run's writable layer, after pivot_root: the image's symlinks lead nowhere
-   but inside, so they are followed as the command would. */
+   but inside, so they are followed as the command would, but no /proc magic link
+   (open_beneath), and no file of /proc is written (the init's own: /proc/self/...). */
 static int write_files(const struct job *j) {
     char *at = j->files;
     for (uint32_t i = 0; i < j->nfiles; i++) {
@@ -795,8 +850,9 @@ static int write_files(const struct job *j) {
         }
         /* Non-blocking: a fifo in the image must not hang the init (nor anything but a file take the data). */
         struct stat st;
-        int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_NONBLOCK | O_CLOEXEC, 0644);
-        if (fd >= 0 && (fstat(fd, &st) || !S_ISREG(st.st_mode))) {
+        struct statfs fs;
+        int fd = open_beneath(AT_FDCWD, path, O_WRONLY | O_CREAT | O_TRUNC | O_NONBLOCK | O_CLOEXEC, 0644);
+        if (fd >= 0 && (fstat(fd, &st) || !S_ISREG(st.st_mode) || fstatfs(fd, &fs) || fs.f_type == PROC_SUPER_MAGIC)) {
             close(fd);
             fd = -1;
             errno = EEXIST;
@@ -818,15 +874,24 @@ static int write_files(const struct job *j) {
     return 0;
 }
 
+static int chdir_beneath(const char *path) {
+    int fd = open_beneath(AT_FDCWD, path, O_PATH | O_DIRECTORY | O_CLOEXEC, 0);
+    int r = fd < 0 ? -1 : fchdir(fd), e = errno;
+    if (fd >= 0)
+        close(fd);
+    errno = e;
+    return r;
+}
+
 /* Into the job's workdir. The instance's own, where the instance lacks it (a catalog's /task
    for tasks that add no files), is made empty in the run's writable layer, as Docker makes a
    missing WORKDIR; any other must exist (a sandbox exec's cwd, as `docker exec -w`). */
 static int enter_workdir(const struct job *j) {
-    if (!chdir(j->workdir))
+    if (!chdir_beneath(j->workdir))
         return 0;
     int e = errno;
     if (e == ENOENT && (j->flags & MAKE_WORKDIR)) {
-        if (!mkdirs(j->workdir) && !chdir(j->workdir))
+        if (!mkdirs(j->workdir) && !chdir_beneath(j->workdir))
             return 0;
         e = errno;
         error[0] = 0; /* mkdirs' own message: this one says what to do */
@@ -1378,6 +1443,7 @@ int main(int argc, char **argv) {
         return serve_sandbox(&s, setup, cgroup, scratch);
     struct buf pristine = {0}, now = {0};
     size_t pristine_top = 0;
+    struct timespec scratch_times[2][2] = {{{0, UTIME_OMIT}, {0, UTIME_OMIT}}, {{0, UTIME_OMIT}, {0, UTIME_OMIT}}};
     int may_reuse = scratch_emptiable(&s); /* whether this root can serve a next run at all */
     /* A run may renice this init's scheduler autogroup (/proc/1/autogroup is its user's to write):
        an init slowed so serves no next run. */
@@ -1402,6 +1468,11 @@ int main(int argc, char **argv) {
                 if (mark_layer(&pristine, upper, 0, NULL))
                     may_reuse = 0;
                 pristine_top = pristine.len;
+                for (size_t i = 0; i < 2; i++) {
+                    struct stat st;
+                    if (!stat(SCRATCH_DIRS[i], &st))
+                        scratch_times[i][0] = st.st_atim, scratch_times[i][1] = st.st_mtim;
+                }
                 traces(&pristine, mqueues);
             } else if (finished && j.memory_mb != sized_for) /* the session keys reused inits by it */
                 fail("this root's tmpfs are sized for a memory limit of %lld MB, not %lld", (long long)sized_for,
@@ -1431,7 +1502,7 @@ int main(int argc, char **argv) {
         int reusable = 0;
         now.len = 0;
         if (!r.timed_out && r.oom < 0 && may_reuse) {
-            if (!mark_layer(&now, upper, 0, &pristine) && now.len == pristine_top && !empty_scratch()) {
+            if (!mark_layer(&now, upper, 0, &pristine) && now.len == pristine_top && !empty_scratch(scratch_times)) {
                 traces(&now, mqueues);
                 reusable = now.len == pristine.len && !memcmp(now.data, pristine.data, now.len);
             }
