@@ -694,10 +694,18 @@ class CandidateObject(Proxy):
         return self._peer.ask(("attr", self._ref, name))
 
     def __iter__(self):
-        return self._peer.ask(("iter", self._ref))
+        it = self._peer.ask(("iter", self._ref))
+        self._peer.follow(self, it)
+        return it
 
     def __next__(self):
-        return self._peer.ask(("next", self._ref))
+        try:
+            item = self._peer.ask(("next", self._ref))
+        except StopIteration:
+            self._peer.drawn_all(self)
+            raise
+        self._peer.draw(self, item)
+        return item
 
     def __len__(self):
         return self._peer.ask(("len", self._ref))
@@ -719,7 +727,9 @@ class CandidateObject(Proxy):
         self._peer.ask(("delitem", self._ref, self._peer.codec.enc(key)))
 
     def __str__(self):
-        return self._peer.ask(("str", self._ref))
+        text = self._peer.ask(("str", self._ref))
+        self._peer.seen_as(self, "str", text)
+        return text
 
     def __repr__(self):
         return "<%s object of the solution>" % self._type
@@ -761,7 +771,9 @@ class EvaluatorChannel(Channel):
         self.gone = False
         self.case = -1  # the case being run: the grader's notices name it
         self.names = {}  # ref -> the solution's name bound to it (this case's refs)
-        self.answers = {}  # (name, the call's plain arguments) -> (case, its first answer): the whole task
+        self.answers = {}  # (name, plain arguments, what was read) -> (case, its first answer): the whole task
+        self.answered = {}  # ref -> the key of the call whose answer it is, or was drawn from (this case's refs)
+        self.drawn = {}  # ref of an iterator of such an answer -> the items drawn from it so far
         self.recorded = []  # evidence seen (witness, overloaded), sent before each case's verdict
 
     def receive(self):
@@ -794,7 +806,9 @@ class EvaluatorChannel(Channel):
         reply = self.request(("call", target._ref, [self.codec.enc(a) for a in args],
                               [(k, self.codec.enc(v)) for k, v in kwargs.items()]))
         result = self.value(reply)
-        if key is not None:
+        if key is not None and isinstance(result, CandidateObject):
+            self.answered[result._ref] = key
+        elif key is not None:
             self.witness(key, result)
         try:
             for index, value in reply[2] if len(reply) > 2 else ():
@@ -810,9 +824,32 @@ class EvaluatorChannel(Channel):
         if name is None or len(self.recorded) >= MAX_EVIDENCE:
             return None
         try:
-            return (name, Codec.plain.enc((tuple(args), sorted(kwargs.items()))))
+            return (name, Codec.plain.enc((tuple(args), sorted(kwargs.items()))), " answered")
         except (TypeError, ValueError, RecursionError):
             return None
+
+    # An answer that is the solution's object (a generator, an object with __str__) is compared by what the
+    # case reads of it as plain data: all its items, iterated to the end, or its str. A call counter handing
+    # back `iter(ANSWERS[n])` passed a conflicting variant in `list(f(x)) == ...` form with no mark.
+    def follow(self, obj, it):
+        key = self.answered.get(obj._ref)
+        if key is not None and isinstance(it, CandidateObject):
+            self.answered[it._ref] = key
+            self.drawn[it._ref] = []
+
+    def draw(self, it, item):
+        if it._ref in self.drawn:
+            self.drawn[it._ref].append(item)
+
+    def drawn_all(self, it):
+        items = self.drawn.pop(it._ref, None)
+        if items is not None and not any(isinstance(x, CandidateObject) for x in items):
+            self.witness(self.answered[it._ref][:2] + (", iterated, gave",), items)
+
+    def seen_as(self, obj, how, value):
+        key = self.answered.get(obj._ref)
+        if key is not None:
+            self.witness(key[:2] + ("'s %s was" % how,), value)
 
     def witness(self, key, result):
         """State recording caught in the act: a call the task made before, with equal arguments, answered
@@ -832,8 +869,8 @@ class EvaluatorChannel(Channel):
             same = True  # a comparison of plain values that fails is no evidence
         if not same:
             where = "in case %d" % self.case if seen[0] == self.case else "in cases %d and %d" % (seen[0], self.case)
-            self.recorded.append("state recording: %s%s answered %s, then %s (%s)" % (
-                key[0], _shown_args(key[1]), _shown(seen[1]), _shown(answer), where))
+            self.recorded.append("state recording: %s%s%s %s, then %s (%s)" % (
+                key[0], _shown_args(key[1]), key[2], _shown(seen[1]), _shown(answer), where))
             self.answers[key] = (self.case, answer)
 
     def overloaded(self, what):
@@ -1093,6 +1130,8 @@ def evaluator(cases_path, mode, pyc):
         channel.codec.objects.clear()
         channel.codec.refs.clear()
         channel.names.clear()
+        channel.answered.clear()
+        channel.drawn.clear()
         channel.case = index
         recorded = len(channel.recorded)
         verdict = evaluate(channel, index, source, scratch)
