@@ -13,7 +13,8 @@ namespace, and the clone (pid 1 there):
     and network namespace (lo only), a tmpfs, and a new overlay root of LAYERS under it (so a
     fresh writable layer, /tmp and /dev/shm), /proc of its pid namespace (the zygote's /proc where a
     new one may not be mounted: the kernel backend masks /proc, and a masked one cannot be
-    re-mounted from a user namespace), the zygote's /dev; pivots into it and detaches the rest;
+    re-mounted from a user namespace), the zygote's /dev with a devpts of its own; pivots into it and
+    detaches the rest;
   - drops into a nested user namespace that owns none of that (the mounts and /proc masks stay put);
   - forks the job's process (pid 2, as a command under an init), which reads the job's files from
     the job's descriptor (never the zygote: its memory holds no job's files or input, so no clone of
@@ -33,13 +34,14 @@ namespace per job, since sockets' state outlives their processes (a closed conne
 in TIME_WAIT, listed in /proc/net/tcp: a shared namespace let a job read what the last one left,
 and pass a case it could not pass alone); 0.8 ms of CPU a job, measured. Scheduling: an autogroup
 per job; a job can still renice the zygote's own (its /proc file is the job's user's to write), and
-the zygote then serves no more jobs.
+the zygote then serves no more jobs; so does one whose job set the times of the /proc they share.
 What a job can see of the zygote: with the zygote's /proc (kernel backend), its processes (not their
 memory, files or environment: the zygote and the job's pid 1 are not dumpable), which it cannot
 signal (they have no pid in its namespace, and pidfd_send_signal refuses a process outside it:
 EINVAL); its own pid 1 ignores its signals, as a namespace's init does. A zygote that stops
 answering all the same is killed with its run (warm.py). The evaluator's zygote is another run, in
-another pid namespace.
+another pid namespace. Not hidden yet: those pids (/proc/self, /proc/loadavg) advance with earlier
+jobs' forks.
 
 Control protocol, on descriptor 0 (a SOCK_SEQPACKET socket; descriptors with SCM_RIGHTS):
   <- {"ready": true} once, when it takes jobs
