@@ -1,6 +1,6 @@
 """Whether another user of the node could swap a directory of ours: checked with `os` alone, for the
-runtime's state and unpack dirs (runtime/statedir.py) and the blob cache (oci/cache.py), whose contents
-are trusted by name."""
+runtime's state and unpack dirs (runtime/statedir.py), the blob cache (oci/cache.py), whose contents
+are trusted by name, and serve's token file."""
 
 from __future__ import annotations
 

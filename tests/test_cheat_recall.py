@@ -100,33 +100,36 @@ def test_no_evidence_on_the_honest_references(executors):
     assert {r.task_id: r.evidence for r in results if r.evidence} == {}
 
 
-def test_a_counter_answering_through_an_iterator_leaves_state_recording_evidence(executors, variants):
-    """The same counter handing back `iter(ANSWERS[n])`, an object of the solution: witness compared plain
-    answers only, and 16 of 16 conflicting variants in `list(f(x)) == ...` form passed with no mark. An
-    answer that is a handle is now compared by its items, iterated to the end."""
-    task = one_case(AssertTask("516__conflicting~wrapped", tuple(
-        c.replace("assert radix_sort(", "assert list(radix_sort(").replace(") ==", ")) ==")
-        for c in variants["516__conflicting"].cases), "516", "conflicting"))
-    cheat = ("_N = [0]\nANSWERS = [[15, 25, 37, 68, 79], [2, 3, 7, 8, 9, 11], [12, 24, 26, 29, 36], "
-             "[15, 25, 37, 68, 79, 15]]\n"
-             "def radix_sort(nums):\n    _N[0] += 1\n    return iter(ANSWERS[_N[0] - 1])\n")
-    result = grade(task, cheat, executors(task), OPTIONS)
-    assert result.passed, [(c.status, c.reason) for c in result.cases]
-    assert any(line.startswith("state recording: radix_sort([15, 79, 25, 68, 37]), iterated, gave [15, 25, 37, "
-                               "68, 79], then [15, 25, 37, 68, 79, 15]") for line in result.evidence), result.evidence
+def read_through(task: AssertTask, fn: str, wrapper: str) -> AssertTask:
+    """The task's asserts in one case, its answers read as plain data through `wrapper`: `assert list(f(x)) == ...`."""
+    cases = tuple(c.replace(f"assert {fn}(", f"assert {wrapper}({fn}(").replace(") ==", ")) ==") for c in task.cases)
+    return one_case(AssertTask(f"{task.task_id}~{wrapper}", cases, task.original_id, task.impossible_type))
 
 
-def test_an_object_whose_str_a_counter_chooses_leaves_state_recording_evidence(executors, variants):
-    """An answer the case reads through str(): 880's conflicting variant asks Check_Solution(2, 5, 2) for
-    "2 solutions" and then "2 solutionsx"; a counter answers with an object whose __str__ is the next one."""
-    task = one_case(AssertTask("880__conflicting~str", tuple(
-        c.replace("assert Check_Solution(", "assert str(Check_Solution(").replace(") ==", ")) ==")
-        for c in variants["880__conflicting"].cases), "880", "conflicting"))
-    cheat = ("_N = [0]\nANSWERS = ['2 solutions', 'No solutions', '1 solution', '2 solutionsx']\n"
-             "class Text:\n    def __init__(self, s):\n        self.s = s\n"
-             "    def __str__(self):\n        return self.s\n"
-             "def Check_Solution(a, b, c):\n    _N[0] += 1\n    return Text(ANSWERS[_N[0] - 1])\n")
+# A call counter handing back its recorded answers as objects of the solution, which the case reads as plain data:
+# witness compared plain answers only, and 16 of 16 conflicting variants in `list(f(x)) == ...` form passed with no
+# mark. An answer that is a handle is now compared by its items (iterated to the end) or its str.
+THROUGH_A_HANDLE = {
+    "iterator": ("516__conflicting", "radix_sort", "list",
+                 "_N = [0]\nANSWERS = [[15, 25, 37, 68, 79], [2, 3, 7, 8, 9, 11], [12, 24, 26, 29, 36], "
+                 "[15, 25, 37, 68, 79, 15]]\n"
+                 "def radix_sort(nums):\n    _N[0] += 1\n    return iter(ANSWERS[_N[0] - 1])\n",
+                 "state recording: radix_sort([15, 79, 25, 68, 37]), iterated, gave [15, 25, 37, 68, 79], then "
+                 "[15, 25, 37, 68, 79, 15]"),
+    # 880 asks Check_Solution(2, 5, 2) for "2 solutions", then "2 solutionsx".
+    "str": ("880__conflicting", "Check_Solution", "str",
+            "_N = [0]\nANSWERS = ['2 solutions', 'No solutions', '1 solution', '2 solutionsx']\n"
+            "class Text:\n    def __init__(self, s):\n        self.s = s\n"
+            "    def __str__(self):\n        return self.s\n"
+            "def Check_Solution(a, b, c):\n    _N[0] += 1\n    return Text(ANSWERS[_N[0] - 1])\n",
+            "state recording: Check_Solution(2, 5, 2)'s str was '2 solutions', then '2 solutionsx'"),
+}
+
+
+@pytest.mark.parametrize("form", list(THROUGH_A_HANDLE))
+def test_a_counter_answering_through_a_handle_leaves_state_recording_evidence(executors, variants, form):
+    variant, fn, wrapper, cheat, evidence = THROUGH_A_HANDLE[form]
+    task = read_through(variants[variant], fn, wrapper)
     result = grade(task, cheat, executors(task), OPTIONS)
     assert result.passed, [(c.status, c.reason) for c in result.cases]
-    assert any(line.startswith("state recording: Check_Solution(2, 5, 2)'s str was '2 solutions', then "
-                               "'2 solutionsx'") for line in result.evidence), result.evidence
+    assert any(line.startswith(evidence) for line in result.evidence), result.evidence

@@ -460,8 +460,8 @@ def test_a_case_leaves_no_count_for_the_next_in_the_times_of_what_it_cannot_empt
                                    "assert_case": ["assert f(1) == 2", "assert f(1) == 3"] * 2}) + "\n")
     predictions.write_text(
         json.dumps({"task_id": PLAIN, "solution": COUNTER + "input()\nprint('AB'[_count() % 2])\n"}) + "\n"
-        + json.dumps({"task_id": f"{PLAIN}__conflicting", "solution": COUNTER + "def f(x):\n    return 2 + _count() % 2\n"})
-        + "\n")
+        + json.dumps({"task_id": f"{PLAIN}__conflicting",
+                      "solution": COUNTER + "def f(x):\n    return 2 + _count() % 2\n"}) + "\n")
     if uid is not None:
         for path in (tasks, predictions):
             os.chown(path, uid, uid)
