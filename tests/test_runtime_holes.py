@@ -484,3 +484,37 @@ def test_a_case_leaves_no_count_for_the_next_in_the_times_of_what_it_cannot_empt
         os.chown("/dev/zero", 0, 0)
     assert os.stat("/dev/null").st_mtime_ns == null.st_mtime_ns
 
+
+
+COUNTERS = {  # which case this is, from what the cases before it left in the pid namespace they share
+    # each case adds 1000 to its pid counter (threads are cheap pids)
+    "pids": """
+import os, threading
+def _count():
+    seen = int(os.readlink("/proc/self")) // 1000
+    for t in [threading.Thread(target=int) for _ in range(1000)]:
+        t.start(); t.join()
+    return seen
+""",
+}
+
+
+@pytest.mark.parametrize("counter", COUNTERS)
+def test_a_case_reads_no_count_of_the_cases_before_it_in_its_pid_namespace(store, user, counter):
+    """A warm interpreter's jobs (every Python case) share its pid namespace's /proc on the kernel backend
+    (root): a job read its own pid there, which advanced with every fork of the jobs before it, and the
+    zygote's counters (tests/test_warm.py), so conflicting cases passed whole. Now the pids are the same
+    every job: half passes."""
+    uid, env, home = user
+    tasks, predictions, out = home / "tasks.jsonl", home / "predictions.jsonl", home / "results.jsonl"
+    tasks.write_text(json.dumps({"task_id": PLAIN, "inputs": ["1\n"] * 4, "outputs": ["A", "B"] * 2}) + "\n")
+    solution = COUNTERS[counter] + "input()\nprint('AB'[_count() % 2])\n"
+    predictions.write_text(json.dumps({"task_id": PLAIN, "solution": solution}) + "\n")
+    if uid is not None:
+        for path in (tasks, predictions):
+            os.chown(path, uid, uid)
+    r = run_cli("grade", "--store", str(store), "--tasks", str(tasks), "--predictions", str(predictions),
+                "-o", str(out), user=uid, env=env)
+    assert r.returncode == 0, r.stderr
+    [result] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert (result["status"], result["score"]) == ("failed", 0.5), result

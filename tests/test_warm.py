@@ -82,6 +82,22 @@ print(left)
     assert (code, out.strip()) == (0, "[]")
 
 
+def test_a_job_sees_no_process_but_its_own_and_the_same_pids_every_time(pool):
+    """On the kernel backend a job has its zygote's /proc (a masked one cannot be mounted again): it saw the
+    zygote, whose page faults rose about 185 a job, and its own pids there advanced with the jobs before
+    it: counts of the cases before it. The init now hides what a job may not trace and resets the pid
+    counter before each job (init.c pid_keeper)."""
+    probe = """
+import os, threading
+for t in [threading.Thread(target=int) for _ in range(50)]:
+    t.start(); t.join()
+print(os.readlink("/proc/self"), sorted(int(p) for p in os.listdir("/proc") if p.isdigit()))
+"""
+    seen = [job(pool, probe)[1].split(None, 1) for _ in range(3)]
+    assert seen[0] == seen[1] == seen[2], seen
+    assert seen[0][1].strip() == f"[{seen[0][0]}]", seen
+
+
 def test_the_zygote_never_holds_a_jobs_data(pool):
     """A later job is a copy of the zygote's memory: it finds nothing of an earlier job's files there."""
     marker = "ib-secret-" + os.urandom(8).hex()

@@ -37,6 +37,10 @@ class RunRequest:
     memory_mb: int | None = None
     max_output: int = 1 << 20  # bytes kept of stdout and of stderr each; the rest is dropped
     network: bool = False
+    # The command is a warm interpreter (runtime/zygote.py) whose jobs run in pid namespaces under it:
+    # on the kernel backend the init hides its processes from them and resets its pid counter for each
+    # (init.c pid_keeper).
+    zygote: bool = False
 
     def placed_files(self, default_workdir: str) -> dict[str, bytes]:
         """`files` by their absolute paths inside (a relative one is under the workdir)."""

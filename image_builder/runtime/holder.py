@@ -26,9 +26,8 @@ Why it is built this way (figures from one of these 2-core VMs):
   this Python process: a fork cost about 3.7 ms of CPU per root (copy-on-write
   faults on the interpreter's heap and its teardown), the C init 0.1 ms to start.
   Setting up and tearing down a root (a dozen mounts, namespaces) still costs about
-  as much CPU as bwrap's, so a run that left its root untouched (init.c says how
-  that is checked) gets the same init back for its next run, which then costs a
-  message and a posix_spawn.
+  as much CPU as bwrap's; each init serves one run all the same (init.c says why a
+  root served twice told a run about the one before).
 - This module stays lean (no dataclasses, pathlib, json, hashlib): the holder
   boots on a cold start; those imports cost 30+ ms.
 - Each init drops into a nested user namespace mapping just root: the run can
@@ -57,8 +56,8 @@ Session and init:
                      the socket its answer goes to; a big job: job_message(): its size + a memfd
                      holding it)
   init -> session    marshal {"exit_code", "signal", "timed_out", "peak_memory_kb", "out_of_memory",
-                     "reusable"} or {"error"}; after "reusable": true the session may send the next
-                     job (a sandbox's jobs run side by side, each answered on its own socket)
+                     "start_errno"} or {"error"}; then the init ends with its root (a sandbox's
+                     jobs run side by side, each answered on its own socket)
 """
 
 from __future__ import annotations
@@ -132,8 +131,9 @@ IDLE_INIT = 60.0  # seconds a ready init waits for its job before it leaves
 _JOB_HEADER = struct.Struct("<4sIIIqqqqqq")
 # In the holder's socket name (holder_session.holder_name): a holder of an older image_builder,
 # still lingering after an upgrade, is not handed jobs in a format its inits do not read.
-PROTOCOL = "IBJ5"
+PROTOCOL = "IBJ6"
 MAKE_WORKDIR = 1  # a job's flag: make its workdir where the instance lacks it (init.c)
+ZYGOTE = 2  # a job's flag: the command is a warm interpreter (init.c pid_keeper)
 
 
 def encode_job(job: dict) -> bytes:
@@ -141,7 +141,7 @@ def encode_job(job: dict) -> bytes:
     parts = [_JOB_HEADER.pack(PROTOCOL.encode(), len(job["argv"]), len(job["env"]), len(job["files"]),
                               -1 if job["timeout"] is None else int(job["timeout"] * 1e6), job["memory_mb"] or 0,
                               job["max_processes"], job.get("uid", -1), job.get("gid", -1),
-                              MAKE_WORKDIR if job.get("make_workdir") else 0)]
+                              (MAKE_WORKDIR if job.get("make_workdir") else 0) | (ZYGOTE if job.get("zygote") else 0))]
     for text in (job["workdir"], *job["argv"], *(f"{k}={v}" for k, v in job["env"].items()), *job["files"]):
         if "\0" in text:
             raise RunnerError(f"{text[:40]!r}: a NUL character cannot be passed to a command")
@@ -404,8 +404,7 @@ class Holder:
     def _fill_netns(self) -> None:
         """Isolated network namespaces with lo up, for the next inits, made ahead of need
         (about 2.5 ms of CPU each here, and more to tear down). Each serves one init only:
-        what a run's sockets leave (TIME_WAIT) outlives its processes, and a reused init
-        moves its next run to a new one itself. Where none can be made, inits make their
+        what a run's sockets leave (TIME_WAIT) outlives its processes. Where none can be made, inits make their
         own (and say why not)."""
         # A child makes them: without privileges on the host's namespace, a process that
         # leaves it cannot come back.

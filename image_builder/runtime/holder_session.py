@@ -231,9 +231,6 @@ class HolderSession(Session):
         self._ready: dict[bool, list[tuple[float, socket.socket]]] = {False: [], True: []}  # (received, init)
         self._asked = {False: 0, True: 0}
         self._busy = {False: 0, True: 0}
-        # Inits whose last run left their root untouched, by (network, memory limit): the limits a
-        # job sets on its init cannot be raised again, so an init only takes jobs like its first.
-        self._reused: dict[tuple[bool, int | None], list[tuple[float, socket.socket]]] = {}
         if first_init:
             with self._lock:
                 self._ask(False)  # the first init gets ready while the caller prepares its run
@@ -276,30 +273,15 @@ class HolderSession(Session):
                 self._ask(network)  # a spare for each run in flight: its next one
             return ctl
 
-    def _take_reused(self, key: tuple[bool, int | None]) -> socket.socket | None:
-        with self._lock:
-            reused = self._reused.get(key, [])
-            while reused:
-                since, ctl = reused.pop()  # the last one back: the warmest
-                if time.monotonic() - since < IDLE_INIT / 2:
-                    self._busy[key[0]] += 1
-                    return ctl
-                ctl.close()
-            return None
-
-    def _done(self, network: bool, reusable: tuple[tuple[bool, int | None], socket.socket] | None = None) -> None:
+    def _done(self, network: bool) -> None:
         with self._lock:
             self._busy[network] -= 1
-            if reusable and self._conn is not None:
-                self._reused.setdefault(reusable[0], []).append((time.monotonic(), reusable[1]))
-            elif reusable:
-                reusable[1].close()
 
-    def _send(self, msg: bytes, fds: list[int], network: bool, key: tuple[bool, int | None]) -> socket.socket:
-        """Hand the job's message to an init whose last run left it untouched, else to a
-        ready one (one killed meanwhile is passed over)."""
+    def _send(self, msg: bytes, fds: list[int], network: bool) -> socket.socket:
+        """Hand the job's message to a ready init (one killed meanwhile is passed over):
+        each serves one run, in a root of its own (init.c says why)."""
         for _attempt in range(8):
-            ctl = self._take_reused(key) or self._take(network)
+            ctl = self._take(network)
             try:
                 send_fds(ctl, msg, fds)
                 return ctl
@@ -310,13 +292,12 @@ class HolderSession(Session):
 
     def run(self, request: RunRequest) -> RunResult:
         job = encode_job(build_job(self.layers, request, self.max_processes))
-        key = (request.network, request.memory_mb)
         ctl = out_r = err_r = got = None
         try:
             msg, fds, out_r, err_r = job_descriptors(job, request.stdin)
             try:
                 t0 = time.monotonic()
-                ctl = self._send(msg, fds, request.network, key)
+                ctl = self._send(msg, fds, request.network)
             finally:
                 for fd in fds:
                     os.close(fd)
@@ -329,11 +310,8 @@ class HolderSession(Session):
             wall = time.monotonic() - t0
         finally:
             if ctl is not None:
-                if got is not None and got.reply and got.reply.get("reusable"):
-                    self._done(request.network, (key, ctl))
-                else:
-                    ctl.close()  # also how a Ctrl-C here stops the run: the init sees us go
-                    self._done(request.network)
+                ctl.close()  # also how a Ctrl-C here stops the run: the init sees us go
+                self._done(request.network)
             for fd in (out_r, err_r):
                 if fd is not None:
                     os.close(fd)
@@ -389,7 +367,7 @@ class HolderSession(Session):
     def close(self) -> None:
         with self._lock:
             conn, self._conn = self._conn, None
-            for ready in (*self._ready.values(), *self._reused.values()):
+            for ready in self._ready.values():
                 for _, ctl in ready:
                     ctl.close()
                 ready.clear()

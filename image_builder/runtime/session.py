@@ -74,7 +74,8 @@ def build_job(layers: InstanceLayers, request: RunRequest, max_processes: int) -
     files = request.placed_files(layers.workdir)
     return {"argv": list(request.argv), "env": {"PATH": DEFAULT_PATH, "HOME": "/root", **layers.env, **request.env},
             "workdir": workdir, "make_workdir": workdir == layers.workdir, "files": files,
-            "timeout": request.timeout, "memory_mb": request.memory_mb, "max_processes": max_processes}
+            "timeout": request.timeout, "memory_mb": request.memory_mb, "max_processes": max_processes,
+            "zygote": request.zygote}
 
 
 def stdin_fd(data: bytes | None) -> int:

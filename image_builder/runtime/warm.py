@@ -76,7 +76,8 @@ class Zygote:
         self.interpreter = interpreter
         request = RunRequest(argv=(*interpreter, ZYGOTE_FILE, LAYERS_AT, *(program[:1] if program else ())),
                              files={ZYGOTE_FILE: ZYGOTE, **dict([program] if program else [])}, env=env,
-                             memory_mb=memory_mb + ZYGOTE_HEADROOM_MB if memory_mb else None, max_output=0)
+                             memory_mb=memory_mb + ZYGOTE_HEADROOM_MB if memory_mb else None, max_output=0,
+                             zygote=True)
 
         def run() -> None:
             try:

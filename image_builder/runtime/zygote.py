@@ -35,13 +35,15 @@ in TIME_WAIT, listed in /proc/net/tcp: a shared namespace let a job read what th
 and pass a case it could not pass alone); 0.8 ms of CPU a job, measured. Scheduling: an autogroup
 per job; a job can still renice the zygote's own (its /proc file is the job's user's to write), and
 the zygote then serves no more jobs; so does one whose job set the times of the /proc they share.
-What a job can see of the zygote: with the zygote's /proc (kernel backend), its processes (not their
-memory, files or environment: the zygote and the job's pid 1 are not dumpable), which it cannot
-signal (they have no pid in its namespace, and pidfd_send_signal refuses a process outside it:
-EINVAL); its own pid 1 ignores its signals, as a namespace's init does. A zygote that stops
-answering all the same is killed with its run (warm.py). The evaluator's zygote is another run, in
-another pid namespace. Not hidden yet: those pids (/proc/self, /proc/loadavg) advance with earlier
-jobs' forks.
+What a job can see of the zygote: with the zygote's /proc (kernel backend), nothing of its processes
+(the init hides what a job may not trace: hidepid; before, a job read the zygote's fault counter, 184
+more each job, a count of the cases before it), which it cannot signal either (they have no pid in
+its namespace, and pidfd_send_signal refuses a process outside it: EINVAL); its own pid 1 ignores its
+signals, as a namespace's init does. Its own pids there (/proc/self) are the same every job: before
+each, the run's pid keeper (init.c pid_keeper, on descriptor 3) puts the namespace's counter back to
+where it was when the zygote started; without a keeper under a masked /proc the zygote does not
+serve. A zygote that stops answering all the same is killed with its run (warm.py). The evaluator's
+zygote is another run, in another pid namespace.
 
 Control protocol, on descriptor 0 (a SOCK_SEQPACKET socket; descriptors with SCM_RIGHTS):
   <- {"ready": true} once, when it takes jobs
@@ -323,6 +325,11 @@ def serve(layers, program):
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
     os.close(null)
+    keeper = pid_keeper()
+    if PROC_MASKED and not (keeper and reset_pids(keeper)):
+        # Its jobs would read, in their pids, how many forks the jobs before them made.
+        sys.stderr.write("zygote: no pid keeper for a masked /proc (init.c pid_keeper)\n")
+        sys.exit(3)
     ctl.sendall(b'{"ready": true}')
     group, proc = autogroup(), proc_top()
     while True:
@@ -336,12 +343,15 @@ def serve(layers, program):
                 fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
         if not msg:
             return
+        if keeper and not reset_pids(keeper):
+            ctl.sendall(b'{"error": "its pid keeper is gone"}')  # the job runs the ordinary way
+            return
         answer = run_job(json.loads(msg.decode()), list(fds), layers, code, program)
         for fd in fds:
             os.close(fd)
         # The job reniced it through /proc/ZYGOTE/autogroup (no later job slowed), or set the times of the top
         # of the zygote's /proc, which is every job's where it is masked (kernel backend): a count the next job
-        # read (red team). The zygote's run then ends, and its init's root is not reused (init.c traces).
+        # read (red team). The zygote's run then ends, and its init with it.
         retire = ("a job changed the zygote's scheduling group" if autogroup() != group else
                   "a job changed the times of /proc" if proc_top() != proc else None)
         if retire:
@@ -349,6 +359,26 @@ def serve(layers, program):
         ctl.sendall(json.dumps(answer).encode())
         if retire:
             return
+
+
+def pid_keeper():
+    """The socket to the run's pid keeper (init.c pid_keeper: descriptor 3, given where the jobs
+    share this pid namespace's /proc), or None."""
+    try:
+        fd = os.dup(3)
+    except OSError:
+        return None
+    os.close(3)
+    return socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET, 0, fd)
+
+
+def reset_pids(keeper):
+    """Ask the keeper to put this pid namespace's counter back to where it was at the first ask."""
+    try:
+        keeper.sendall(b"r")
+        return keeper.recv(1) == b"k"
+    except OSError:
+        return False
 
 
 def proc_top():
