@@ -4,7 +4,8 @@
 # workdir and installed, as SWE-bench's setup_repo.sh does per instance; then the version's checkpoints
 # (build/checkpoints.py), each over the version's checkout or an earlier checkpoint: the commits up to one
 # instance's base commit, checked out as an instance checks out, installed again only where the install
-# files changed. Each instance then checks out its own base commit over them (swebench-instance.sh).
+# files changed; and install layers, checkpoints at the merge-base of instances that would each install
+# alike. Each instance then checks out its own base commit over them (swebench-instance.sh).
 #   REPO_BUNDLE   a bundle of refs/heads/image-builder and the tags on its history; without the file there
 #                 is nothing to add (optional)
 #   BASE_COMMIT   the commit to check out (optional: a history layer has no checkout)
@@ -15,8 +16,9 @@
 #                 checkout (django 3.x's locale-gen): run once here (optional)
 #   INSTALL       install command run in the checkout (optional); .git/image-builder-installed records
 #                 the commit it installed, for the instances
-#   INSTALL_AS_INSTANCES  1: every instance has this commit's install files, so an install that changes the
-#                 environment's packages is done here rather than left to each instance (optional)
+#   INSTALL_AS_INSTANCES  1: every instance on this layer has this commit's install files, so an install that
+#                 changes the environment's packages is done here rather than left to each instance
+#                 (optional; a version's, or an install layer's: swebench_catalog._install_layers)
 set -eu
 # Editable installs put the checkout on sys.path (a .pth path entry), as the older setuptools of SWE-bench's
 # conda environments do: pylint's tests find its modules by path, and an editable finder hook broke 8 of
@@ -79,7 +81,7 @@ if [ -n "${BASE_COMMIT:-}" ] && git rev-parse -q --verify HEAD >/dev/null; then
     fi
     if [ "$stale" = 1 ] && [ -n "${INSTALL:-}" ]; then
         rm -f .git/image-builder-installed
-        INSTALL_AS_INSTANCES= install_held
+        install_held
     fi
     exit 0
 fi

@@ -64,7 +64,7 @@ def layers(store: Path, instance: str | None, env_name: str | None):
         from image_builder.serve import environment_layers
         return environment_layers(st, env_name, workdir="/")[0], f"environment {env_name}"
     r = st.resolve(instance)
-    return InstanceLayers(r.env_sif, r.overlays, r.env, r.workdir, r.digests), f"instance {r.id}"
+    return InstanceLayers.of(r), f"instance {r.id}"
 
 
 def say_capped(capped) -> None:

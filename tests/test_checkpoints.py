@@ -116,3 +116,69 @@ def test_checkpoints_carry_pre_install_and_reinstall_only_where_install_files_ch
     # Checking out c4 over the edited tox.ini: clean, PRE_INSTALL again, installed again (as an instance does).
     assert (head, installs.split()) == (c4[:7], [c0[:7], c2[:7], c4[:7]])
     assert edited == "edited = yes" and status.strip() == "M tox.ini" and fix == "none"
+
+
+INSTALL_LAYER = """
+environments:
+  - name: py
+    base: BASE
+    scripts: [python-venv.sh]
+    env: {VENV: /opt/venv, PATH: "/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+  - name: v
+    from: py
+    scripts: [swebench-repo.sh]
+    context: v
+    env:
+      REPO_BUNDLE: /build/repo.bundle
+      BASE_COMMIT: C0
+      # An install that would change the environment's packages: it fails with them held (PIP_CONSTRAINT).
+      INSTALL: 'test -z "${PIP_CONSTRAINT:-}" && git rev-parse --short=7 HEAD >> /opt/installs'
+  - name: v-installed-at-c0
+    from: v
+    scripts: [swebench-repo.sh]
+    env: {BASE_COMMIT: C0, REINSTALL_WHEN: setup.cfg, INSTALL_AS_INSTANCES: "1"}
+instances:
+  - id: alike
+    environment: v-installed-at-c0
+    script: swebench-instance.sh
+    context: i1
+    env: {BASE_COMMIT: C1, REINSTALL_WHEN: setup.cfg, INSTALL: 'git rev-parse --short=7 HEAD >> /opt/installs'}
+    workdir: /testbed
+  - id: other
+    environment: v
+    script: swebench-instance.sh
+    context: i2
+    env: {BASE_COMMIT: C2, REINSTALL_WHEN: setup.cfg, INSTALL: 'git rev-parse --short=7 HEAD >> /opt/installs'}
+    workdir: /testbed
+"""
+
+
+def test_an_install_layer_installs_once_for_its_instances_over_the_untouched_version(tmp_path, registries,
+                                                                                      debian_base):
+    """The version layer leaves an install that would change its packages to each instance; an install layer
+    (swebench_catalog._install_layers) does it once for the instances that share its install files, which
+    then install nothing themselves, while an instance with other install files still installs over the
+    untouched version layer."""
+    repo = tmp_path / "repo"
+    subprocess.run([*GIT, "init", "-q", str(repo)], check=True)
+    c0 = commit(repo, {"setup.cfg": "[v]\n0\n", "mod.py": "X = 0\n"}, "c0")
+    c1 = commit(repo, {"mod.py": "X = 1\n"}, "c1: no install file changed")
+    subprocess.run([*GIT, "-C", str(repo), "checkout", "-q", c0], check=True)
+    c2 = commit(repo, {"setup.cfg": "[v]\n2\n"}, "c2: setup.cfg changed")
+    bundle(repo, tmp_path / "v/repo.bundle", c0)
+    bundle(repo, tmp_path / "i1/commits.bundle", c1, c0)
+    bundle(repo, tmp_path / "i2/commits.bundle", c2, c0)
+    text = INSTALL_LAYER
+    for name, value in (("BASE", debian_base), ("C0", c0), ("C1", c1), ("C2", c2)):
+        text = text.replace(f": {name}", f": {value}")
+    (tmp_path / "catalog.yaml").write_text(text)
+    build = BuildOptions(store=tmp_path / "store", cache=BlobCache(tmp_path / "cache"),
+                         registry=RegistryOptions(ca_cert=registries.tls.cert))
+    summary = build_store(load(tmp_path / "catalog.yaml"), StoreBuildOptions(build, jobs=2))
+    assert not summary.failed, [(f.message, f.tail[-10:]) for f in summary.failed]
+    store = Store.open(tmp_path / "store")
+    show = ["sh", "-c", "git rev-parse --short=7 HEAD; cat /opt/installs 2>/dev/null | tr '\\n' ' '; echo"]
+    head, installs = run_in(store.resolve("alike"), show).splitlines()
+    assert (head, installs.split()) == (c1[:7], [c0[:7]]), "installed once, by the install layer"
+    head, installs = run_in(store.resolve("other"), show).splitlines()
+    assert (head, installs.split()) == (c2[:7], [c2[:7]]), "its own install, over the untouched version"

@@ -133,7 +133,7 @@ def test_images_sharing_their_bottom_layers_become_one_environment(imported, reg
 
 def test_the_instance_runs_with_its_image_s_environment(imported, tmp_path):
     resolved = Store.open(tmp_path / "store").resolve("repo__name-2")
-    layers = InstanceLayers(resolved.env_sif, resolved.overlays, resolved.env, resolved.workdir, resolved.digests)
+    layers = InstanceLayers.of(resolved)
     with open_session(layers, state_dir=tmp_path / "state") as session:
         out = session.run(RunRequest(("sh", "-c", "echo $INSTANCE; pwd; cat link; ls /etc/keep"), timeout=30))
     assert out.stdout.decode().splitlines()[:3] == ["2", "/testbed", "print(2)"]
@@ -356,8 +356,7 @@ def test_images_made_with_umoci_import_to_trees_equal_to_their_flattened_images(
         want = tree(flat)
         resolved = opened.resolve(iid)
         assert resolved.user == how.get("user", ""), "the image's User is in the index"
-        layers = InstanceLayers(resolved.env_sif, resolved.overlays, resolved.env, resolved.workdir,
-                                resolved.digests)
+        layers = InstanceLayers.of(resolved)
         with open_session(layers, state_dir=tmp_path / "state") as session:
             # Debian's python, -B: the listing must not write. The venv's python would import its
             # _distutils_hack at start, and rewrite its .pyc when the image's is stale (umoci, as Go's

@@ -34,7 +34,7 @@ def build_and_run(tmp: Path, base: str, command: str = "cat /etc/hello") -> str:
     assert r.returncode == 0, r.stderr
     resolved = Store.open(tmp / "store").resolve("i")
     from image_builder.runtime.session import InstanceLayers
-    layers = InstanceLayers(resolved.env_sif, resolved.overlays, resolved.env, resolved.workdir, resolved.digests)
+    layers = InstanceLayers.of(resolved)
     with open_session(layers, state_dir=tmp / "state") as session:
         out = session.run(RunRequest(("sh", "-c", command), timeout=30))
     assert out.exit_code == 0, out

@@ -413,6 +413,30 @@ def test_offline_an_address_nobody_answers_times_out_as_with_a_network(case):
     assert [r.stdout for r in out] == [SILENT_OFFLINE] * 3, out
 
 
+NAMESPACES = """
+import ctypes, errno, os
+libc = ctypes.CDLL(None, use_errno=True)
+for name, flag in (("user", 0x10000000), ("net", 0x40000000), ("mnt", 0x00020000), ("ipc", 0x08000000),
+                   ("uts", 0x04000000), ("cgroup", 0x02000000)):
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if libc.unshare(flag) == 0 else ctypes.get_errno())
+    print(name, errno.errorcode.get(os.waitpid(pid, 0)[1] >> 8, "made"))
+"""
+
+
+@pytest.mark.parametrize("case", ["kernel", "userns"], indirect=True)
+def test_a_run_makes_no_namespace_of_its_own(case):
+    """A new network namespace takes the host's next cookie (SO_NETNS_COOKIE), a mount the next unique
+    mount id; a run's own namespace and mounts were made ahead, before the run before it: a case that made
+    10,000 namespaces left the next a count to read against its own. Runs now make none (ENOSPC: their
+    user namespace's limits); a warm interpreter's jobs, made by it, still run (test_warm.py)."""
+    r = case.one(py(NAMESPACES))
+    assert r.exit_code == 0, r
+    assert r.stdout.decode().split("\n")[:-1] == [f"{n} ENOSPC" for n in ("user", "net", "mnt", "ipc", "uts",
+                                                                            "cgroup")], r.stdout
+
+
 @pytest.mark.parametrize("case", ["kernel", "userns"], indirect=True)
 def test_a_runs_closed_connections_are_not_the_next_runs_to_see(case):
     """A closed TCP connection waits a minute in TIME_WAIT, listed in /proc/net/tcp: in a network namespace

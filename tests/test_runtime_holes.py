@@ -399,7 +399,7 @@ def test_file_names_and_workdirs_cannot_reach_the_init_s_descriptors(store, tmp_
     from image_builder.store.store import Store
 
     resolved = Store.open(store).resolve(PLAIN)
-    layers = InstanceLayers(resolved.env_sif, resolved.overlays, resolved.env, resolved.workdir)
+    layers = InstanceLayers.of(resolved)
     proof = "ib-holes-proof"
     state = tmp_path / "state"
     with open_session(layers, state_dir=state) as session:

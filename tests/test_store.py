@@ -168,7 +168,7 @@ def test_environments_share_images_by_key_and_layer_from_others(tmp_path, tiny_b
         assert (m / "etc/keep/file").read_text() == "e\n"
     finally:
         stack.close()
-    layers = InstanceLayers(resolved.env_sif, resolved.overlays, resolved.env, resolved.workdir, resolved.digests)
+    layers = InstanceLayers.of(resolved)
     with open_session(layers, state_dir=tmp_path / "state") as session:  # the real runtime, layers checked
         out = session.run(RunRequest(("sh", "-c", "cat /etc/tool /etc/task; echo $TOOL; ls /etc/opaque"), timeout=30))
     assert out.exit_code == 0 and out.stdout == b"a\na 1\na\na\n", out

@@ -573,6 +573,47 @@ def test_a_version_whose_instances_share_its_install_files_installs_once_even_if
     assert "INSTALL_AS_INSTANCES" not in version_env(heads[0], heads[2]), "setup.cfg differs: each its own"
 
 
+def test_instances_that_would_install_alike_share_an_install_layer(tmp_path):
+    """A version whose instances differ in their install files left the install to each instance where it
+    changes the environment's packages (21-24 MB apiece on sphinx). Two or more alike, whose merge-base has
+    their files too, now sit on a layer at that merge-base that installs as they would; one alone keeps the
+    untouched version layer, as does every instance of a version with one set of install files."""
+    repo = tmp_path / "marshmallow"
+    subprocess.run(["git", "clone", "-q", str(DATA / "repos/marshmallow.bundle"), str(repo)], check=True)
+    row = [json.loads(line) for line in MARSHMALLOW.read_text().splitlines()][1]
+    git(repo, "checkout", "-q", row["base_commit"])
+    heads = [row["base_commit"]]
+    for name, text in (("NOTES.txt", "a\n"), ("setup.cfg", "[x]\n"), ("src/marshmallow/extra.py", "X = 1\n"),
+                       ("setup.py", "# changed\n")):
+        (repo / name).write_text(text)
+        git(repo, "add", name)
+        git(repo, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "-m", name)
+        heads.append(git(repo, "rev-parse", "HEAD").strip())
+    # base, +NOTES (base's install files), +setup.cfg, +module (setup.cfg's files), +setup.py (alone)
+    dataset = tmp_path / "d.jsonl"
+    dataset.write_text("".join(json.dumps({**row, "instance_id": f"marshmallow-code__marshmallow-{i}",
+                                           "base_commit": c, "environment_setup_commit": heads[0]}) + "\n"
+                               for i, c in enumerate(heads)))
+    r = run_cli("swebench", "catalog", str(dataset), "--repos", str(tmp_path), "-o", str(tmp_path / "c.yaml"),
+                "--python", "3.9=registry.example/python:3.9", "--cutoff", "none")
+    assert r.returncode == 0, r.stderr
+    cat = load(tmp_path / "c.yaml")
+    version = "marshmallow-code__marshmallow-3.0"
+    assert "INSTALL_AS_INSTANCES" not in cat.environments[version].env
+    first, second = (f"{version}-installed-at-{heads[n][:12]}" for n in (0, 2))
+    for name, at in ((first, heads[0]), (second, heads[2])):
+        layer = cat.environments[name]
+        assert layer.parent == version and [x.name for x in layer.scripts] == ["swebench-repo.sh"]
+        assert (layer.env["BASE_COMMIT"], layer.env["INSTALL_AS_INSTANCES"]) == (at, "1")
+    assert {i: inst.environment for i, inst in cat.instances.items()} == {
+        "marshmallow-code__marshmallow-0": first, "marshmallow-code__marshmallow-1": first,
+        "marshmallow-code__marshmallow-2": second, "marshmallow-code__marshmallow-3": second,
+        "marshmallow-code__marshmallow-4": version}
+    assert_only_ancestors(tmp_path, cat)
+    assert not (cat.instances["marshmallow-code__marshmallow-2"].context / "commits.bundle").exists(), \
+        "the install layer holds its commit"
+
+
 def test_a_specs_file_builds_a_repository_swebench_has_no_spec_for(tmp_path):
     """SWE-Gym's repositories are not in swebench's tables: --specs lays a file of specs in swebench's keys over
     them; its log parser goes to the catalog; a bad file is one line naming the file, repository and key."""

@@ -29,7 +29,7 @@ SCRIPT = "/tmp/.ib-test/script.py"
 @pytest.fixture(scope="module")
 def pool(mbpp_store):
     resolved = Store.open(mbpp_store).resolve("512")
-    layers = InstanceLayers(resolved.env_sif, resolved.overlays, resolved.env, resolved.workdir, resolved.digests)
+    layers = InstanceLayers.of(resolved)
     with open_session(layers, layers_at=LAYERS_AT) as session:
         warm = WarmPool(session, layers, ("python3",), PROGRAM, {}, 256)
         yield warm
@@ -223,8 +223,9 @@ def test_offline_an_address_nobody_answers_times_out_as_with_a_network(pool):
 
 def test_a_job_cannot_slow_down_the_next(pool):
     """A job that renices its scheduler autogroup (/proc/self/autogroup, or its zygote's) must not leave the
-    next job at nice 19: each job has an autogroup of its own, and a zygote whose own was changed serves no
-    more (red team: an honest task timed out behind a job that wrote 19 there)."""
+    next job at nice 19 (red team: an honest task timed out behind a job that wrote 19 there): each job has
+    an autogroup of its own, and its zygote it cannot see (hidepid; a zygote whose own group changed would
+    serve no more)."""
     assert os.path.exists("/proc/self/autogroup"), "this test needs a kernel with scheduler autogroups"
     code, out, _ = job(pool, """
 import os, time
@@ -238,8 +239,7 @@ for pid in ["self"] + zygotes:
 print(open("/proc/self/autogroup").read().split()[-1], [open("/proc/%s/autogroup" % p).read().split()[-1]
                                                         for p in zygotes])
 """)
-    assert code == 0 and out.startswith("19 [") and "'19'" in out, out  # its own group and its zygote's
-    assert not pool._idle, "the zygote whose autogroup the job reniced serves on"
+    assert (code, out) == (0, "19 []\n"), out  # its own group; no zygote in sight
     code, out, _ = job(pool, "print(open('/proc/self/autogroup').read().split()[-1])")
     assert (code, out) == (0, "0\n")
 
@@ -262,7 +262,7 @@ def test_a_zygote_that_stops_answering_is_killed_with_its_run(mbpp_store, monkey
     monkeypatch.setattr(warm, "GRACE", 1.0)
     monkeypatch.setattr(warm, "ZYGOTE", b"import os, time\nos.write(0, b'{\"ready\": true}')\ntime.sleep(3600)\n")
     resolved = Store.open(mbpp_store).resolve("512")
-    layers = InstanceLayers(resolved.env_sif, resolved.overlays, resolved.env, resolved.workdir, resolved.digests)
+    layers = InstanceLayers.of(resolved)
     with open_session(layers, layers_at=LAYERS_AT) as session:
         hung = WarmPool(session, layers, ("python3",), None, {"IB": "ib-hung-zygote"}, 256)
         with ThreadPoolExecutor(1) as threads:
@@ -341,7 +341,7 @@ from image_builder.runtime.warm import LAYERS_AT, WarmPool
 from image_builder.store.store import Store
 PROGRAM = %r
 resolved = Store.open(Path(sys.argv[1])).resolve("512")
-layers = InstanceLayers(resolved.env_sif, resolved.overlays, resolved.env, resolved.workdir, resolved.digests)
+layers = InstanceLayers.of(resolved)
 script = (b"import os; print(os.path.exists('/etc/ib-left'), sorted(p for p in os.listdir('/proc') if p.isdigit()), "
           b"os.getuid()); open('/etc/ib-left', 'w').close()")
 with open_session(layers, layers_at=LAYERS_AT) as session:

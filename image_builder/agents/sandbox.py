@@ -95,8 +95,7 @@ class AgentSandbox(Sandbox):
 
     def __init__(self, store: Store, instance: ResolvedInstance, task: Task | None = None,
                  access: TestAccess = TestAccess.OPEN, max_scores: int | None = None, **options):
-        super().__init__(InstanceLayers(instance.env_sif, instance.overlays, instance.env, instance.workdir,
-                                        instance.digests), **options)
+        super().__init__(InstanceLayers.of(instance), **options)
         self.store, self.instance, self.task, self.access = store, instance, task, TestAccess(access)
         self.max_scores, self.scores = max_scores, 0
         try:

@@ -82,8 +82,7 @@ class StoreExecutors:
         """An executor for the instance (UnknownInstance now if the store has none); its
         session opens at the first run."""
         resolved = self.store.resolve(instance_id)
-        return _InstanceExecutor(self, InstanceLayers(resolved.env_sif, resolved.overlays, resolved.env,
-                                                      resolved.workdir, resolved.digests), resolved.test_command,
+        return _InstanceExecutor(self, InstanceLayers.of(resolved), resolved.test_command,
                                  resolved.grader.get("log_parser"))
 
     def _acquire(self, key: tuple, layers: InstanceLayers) -> Session:

@@ -28,10 +28,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .execution import DEFAULT_PATH, RunRequest, RunResult
 from .holder import job_message, memfd_with, recv_fds
 from .mounts import RunnerError
+
+if TYPE_CHECKING:
+    from ..store.store import ResolvedInstance
 
 # What a failed allocation prints, by language: with only RLIMIT_AS to go by, the output is the evidence.
 _OOM_MARKERS = (b"MemoryError", b"Cannot allocate memory", b"std::bad_alloc", b"out of memory",
@@ -49,6 +53,11 @@ class InstanceLayers:
     # sha256 of env_sif, then of each overlay, as the store's index records them ("sha256:..."):
     # open_session checks them once per node (checked.py); () checks nothing.
     digests: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, resolved: ResolvedInstance) -> InstanceLayers:
+        """An instance as the store resolves it, with its digests."""
+        return cls(resolved.env_sif, resolved.overlays, resolved.env, resolved.workdir, resolved.digests)
 
 
 class Backend(str, enum.Enum):

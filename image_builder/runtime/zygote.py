@@ -314,6 +314,7 @@ def job_root(job, fds, status_w, layers, code, program):
 
 def serve(layers, program):
     global PROC_MASKED
+    keeper = pid_keeper()  # first: nothing of this process is on descriptor 3 yet
     with open("/proc/self/mountinfo") as f:  # the kernel backend's masks
         PROC_MASKED = any(line.split()[4].startswith("/proc/") for line in f)
     code = None
@@ -325,7 +326,6 @@ def serve(layers, program):
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
     os.close(null)
-    keeper = pid_keeper()
     if PROC_MASKED and not (keeper and reset_pids(keeper)):
         # Its jobs would read, in their pids, how many forks the jobs before them made.
         sys.stderr.write("zygote: no pid keeper for a masked /proc (init.c pid_keeper)\n")
@@ -366,10 +366,18 @@ def pid_keeper():
     share this pid namespace's /proc), or None."""
     try:
         fd = os.dup(3)
-    except OSError:
+    except OSError:  # none
+        return None
+    try:
+        keeper = socket.socket(fileno=fd)
+    except OSError:  # not a socket
+        os.close(fd)
+        return None
+    if (keeper.family, keeper.type) != (socket.AF_UNIX, socket.SOCK_SEQPACKET):
+        keeper.close()
         return None
     os.close(3)
-    return socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET, 0, fd)
+    return keeper
 
 
 def reset_pids(keeper):

@@ -118,6 +118,7 @@ struct result {
 static char error[1024];
 static int last_pid = -1; /* this pid namespace's ns_last_pid, open for writing (kernel backend) */
 static int keeper = -1;   /* the zygote's end of the pid keeper's socket: its descriptor 3 */
+static int user_limits = -1; /* /proc/sys/user as mounted (rw), for no_namespaces() */
 static int children = -1; /* a signalfd for SIGCHLD */
 
 static int fail(const char *fmt, ...) {
@@ -451,6 +452,7 @@ static int enter_root(const struct spec *s, int *cgroup, int scratch_fd[3]) {
         return fail("open /tmp: %s", strerror(errno));
     if (do_mount("proc", "proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL))
         return -1;
+    user_limits = open("proc/sys/user", O_PATH | O_DIRECTORY | O_CLOEXEC); /* before /proc/sys is read-only */
     if (!s->userxattr) { /* root inside is host root: its files there are not for the run */
         char devnull[PATH_MAX], empty[PATH_MAX];
         snprintf(devnull, sizeof devnull, "%s/dev/null", s->base);
@@ -547,6 +549,31 @@ static int own_userns(int more_users) {
            write_file(AT_FDCWD, "/proc/self/gid_map", "0 0 1") ? -1 : 0;
 }
 
+/* A run makes no namespace of its own (its user namespace's limits, which it cannot raise). With them, a
+   case moved counters every process of the host shares: each new network namespace takes the next
+   cookie (SO_NETNS_COOKIE) and each mount the next unique id (statx), while its root's namespace and
+   mounts were made ahead, before the case before it ran: 10,000 namespaces made by one case were
+   there for the next to count. A warm interpreter makes its jobs' namespaces (a job's namespaces and
+   mounts are all made as it starts: nothing older to count from); a sandbox (an agent's) and a shell
+   keep them. ENOENT: a kernel without these limits. */
+static int no_namespaces(void) {
+    static const char *const limits[] = {"max_user_namespaces", "max_net_namespaces", "max_mnt_namespaces",
+                                         "max_pid_namespaces", "max_ipc_namespaces", "max_uts_namespaces",
+                                         "max_cgroup_namespaces", "max_time_namespaces"};
+    for (size_t i = 0; i < sizeof limits / sizeof *limits; i++) {
+        int fd = user_limits < 0 ? -1 : openat(user_limits, limits[i], O_WRONLY | O_CLOEXEC);
+        if (fd < 0 && (user_limits < 0 || errno == ENOENT))
+            continue;
+        int bad = fd < 0 || write(fd, "0\n", 2) != 2;
+        int e = errno;
+        if (fd >= 0)
+            close(fd);
+        if (bad)
+            return fail("limit %s: %s", limits[i], strerror(e));
+    }
+    return 0;
+}
+
 /* The rest, at the first job (it brings the memory limit): size the three tmpfs for it
    (scratch_sizes) while this init still may, then drop into a nested user namespace that
    owns nothing. A sandbox's later jobs get the limit of its first, so this is done once.
@@ -577,7 +604,7 @@ static int finish_root(const struct spec *s, const struct job *j, const int scra
             return fail("size the %s tmpfs for the memory limit: %s", i == LAYER ? "writable layer's" : i == TMP ?
                         "/tmp" : "/dev/shm", strerror(e));
     }
-    if (own_userns(s->keep))
+    if (own_userns(s->keep) || (!s->keep && !s->joined && !(j->flags & ZYGOTE) && no_namespaces()))
         return -1;
     /* Inherited by the command: in any out-of-memory kill, on the host or in a cgroup, a
        run goes first (and of a run, its biggest process: the command, not this init). */
@@ -1111,7 +1138,10 @@ static int first_job(const struct spec *s, const struct job *j, int scratch[3]) 
         return -1;
     if (last_pid >= 0)
         close(last_pid);
-    if (finish_root(s, j, scratch))
+    int r = finish_root(s, j, scratch);
+    if (user_limits >= 0)
+        close(user_limits);
+    if (r)
         return -1;
     for (int i = 0; i < 3; i++)
         if (scratch[i] >= 0)
