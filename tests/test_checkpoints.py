@@ -34,13 +34,15 @@ def bundle(repo: Path, dest: Path, head: str, since: str | None = None) -> None:
                     *([f"^{since}"] if since else [])], check=True)
 
 
-CATALOG = """
+PY = """
 environments:
   - name: py
     base: BASE
     scripts: [python-venv.sh]
     env: {VENV: /opt/venv, PATH: "/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
-  - name: v
+"""
+
+CATALOG = PY + """  - name: v
     from: py
     scripts: [swebench-repo.sh]
     context: v
@@ -78,6 +80,18 @@ instances:
 """
 
 
+def build(tmp_path: Path, registries, catalog: str, values: dict[str, str]) -> Store:
+    """`catalog` with its placeholders (": NAME") replaced, built into tmp_path/store."""
+    for name, value in values.items():
+        catalog = catalog.replace(f": {name}", f": {value}")
+    (tmp_path / "catalog.yaml").write_text(catalog)
+    options = BuildOptions(store=tmp_path / "store", cache=BlobCache(tmp_path / "cache"),
+                           registry=RegistryOptions(ca_cert=registries.tls.cert))
+    summary = build_store(load(tmp_path / "catalog.yaml"), StoreBuildOptions(options, jobs=2))
+    assert not summary.failed, [(f.message, f.tail[-10:]) for f in summary.failed]
+    return Store.open(tmp_path / "store")
+
+
 def test_checkpoints_carry_pre_install_and_reinstall_only_where_install_files_change(tmp_path, registries,
                                                                                      debian_base):
     repo = tmp_path / "repo"
@@ -94,16 +108,8 @@ def test_checkpoints_carry_pre_install_and_reinstall_only_where_install_files_ch
     bundle(repo, tmp_path / "c2/repo.bundle", c2, c1)
     bundle(repo, tmp_path / "i3/commits.bundle", c3, c2)
     bundle(repo, tmp_path / "i4/commits.bundle", c4, c2)
-    text = CATALOG
-    for name, value in (("BASE", debian_base), ("C0", c0), ("C1", c1), ("C2", c2), ("C3", c3), ("C4", c4)):
-        text = text.replace(f": {name}", f": {value}")
-    (tmp_path / "catalog.yaml").write_text(text)
-    build = BuildOptions(store=tmp_path / "store", cache=BlobCache(tmp_path / "cache"),
-                         registry=RegistryOptions(ca_cert=registries.tls.cert))
-    summary = build_store(load(tmp_path / "catalog.yaml"), StoreBuildOptions(build, jobs=2))
-    assert not summary.failed, [(f.message, f.tail[-10:]) for f in summary.failed]
-
-    store = Store.open(tmp_path / "store")
+    store = build(tmp_path, registries, CATALOG, {"BASE": debian_base, "C0": c0, "C1": c1, "C2": c2, "C3": c3,
+                                                  "C4": c4})
     show = ["sh", "-c", "git rev-parse --short=7 HEAD; cat /opt/installs | tr '\\n' ' '; echo;"
                         "grep edited tox.ini; git status --porcelain --untracked-files=no | tr '\\n' ' '; echo;"
                         "git cat-file -e " + later + " 2>/dev/null && echo later || echo none"]
@@ -118,13 +124,7 @@ def test_checkpoints_carry_pre_install_and_reinstall_only_where_install_files_ch
     assert edited == "edited = yes" and status.strip() == "M tox.ini" and fix == "none"
 
 
-INSTALL_LAYER = """
-environments:
-  - name: py
-    base: BASE
-    scripts: [python-venv.sh]
-    env: {VENV: /opt/venv, PATH: "/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
-  - name: v
+INSTALL_LAYER = PY + """  - name: v
     from: py
     scripts: [swebench-repo.sh]
     context: v
@@ -168,15 +168,7 @@ def test_an_install_layer_installs_once_for_its_instances_over_the_untouched_ver
     bundle(repo, tmp_path / "v/repo.bundle", c0)
     bundle(repo, tmp_path / "i1/commits.bundle", c1, c0)
     bundle(repo, tmp_path / "i2/commits.bundle", c2, c0)
-    text = INSTALL_LAYER
-    for name, value in (("BASE", debian_base), ("C0", c0), ("C1", c1), ("C2", c2)):
-        text = text.replace(f": {name}", f": {value}")
-    (tmp_path / "catalog.yaml").write_text(text)
-    build = BuildOptions(store=tmp_path / "store", cache=BlobCache(tmp_path / "cache"),
-                         registry=RegistryOptions(ca_cert=registries.tls.cert))
-    summary = build_store(load(tmp_path / "catalog.yaml"), StoreBuildOptions(build, jobs=2))
-    assert not summary.failed, [(f.message, f.tail[-10:]) for f in summary.failed]
-    store = Store.open(tmp_path / "store")
+    store = build(tmp_path, registries, INSTALL_LAYER, {"BASE": debian_base, "C0": c0, "C1": c1, "C2": c2})
     show = ["sh", "-c", "git rev-parse --short=7 HEAD; cat /opt/installs 2>/dev/null | tr '\\n' ' '; echo"]
     head, installs = run_in(store.resolve("alike"), show).splitlines()
     assert (head, installs.split()) == (c1[:7], [c0[:7]]), "installed once, by the install layer"

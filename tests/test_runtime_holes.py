@@ -370,18 +370,25 @@ def test_a_workdir_the_instance_lacks_is_made_for_runs_and_sandboxes(store, user
 def test_a_grade_in_an_instance_that_lacks_its_workdir_is_not_an_error(store, user):
     """An assert task of an instance whose catalog workdir (/task) it lacks grades as passed,
     not as an error: the graders put their files in /tmp, so nothing else makes it."""
+    [result] = grade_as(user, store, [{"task_id": BARE, "assert_case": ["assert f(2) == 3"]}],
+                        [{"task_id": BARE, "solution": "def f(x):\n    return x + 1\n"}]).values()
+    assert (result["status"], result["score"]) == ("passed", 1.0), result
+
+
+def grade_as(user, store: Path, tasks: list[dict], predictions: list[dict]) -> dict[str, dict]:
+    """`image-builder grade` of `predictions` for `tasks` over `store`, as the `user` fixture's user:
+    the results by task id."""
     uid, env, home = user
-    tasks, predictions, out = home / "tasks.jsonl", home / "predictions.jsonl", home / "results.jsonl"
-    tasks.write_text(json.dumps({"task_id": BARE, "assert_case": ["assert f(2) == 3"]}) + "\n")
-    predictions.write_text(json.dumps({"task_id": BARE, "solution": "def f(x):\n    return x + 1\n"}) + "\n")
-    if uid is not None:
-        for path in (tasks, predictions):
+    files = home / "tasks.jsonl", home / "predictions.jsonl"
+    for path, rows in zip(files, (tasks, predictions)):
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        if uid is not None:
             os.chown(path, uid, uid)
-    r = run_cli("grade", "--store", str(store), "--tasks", str(tasks), "--predictions", str(predictions),
+    out = home / "results.jsonl"
+    r = run_cli("grade", "--store", str(store), "--tasks", str(files[0]), "--predictions", str(files[1]),
                 "-o", str(out), user=uid, env=env)
     assert r.returncode == 0, r.stderr
-    [result] = [json.loads(line) for line in out.read_text().splitlines()]
-    assert (result["status"], result["score"]) == ("passed", 1.0), result
+    return {row["task_id"]: row for row in map(json.loads, out.read_text().splitlines())}
 
 
 # --- the init's descriptors ------------------------------------------------------------------
@@ -453,24 +460,16 @@ def test_a_case_leaves_no_count_for_the_next_in_the_times_of_what_it_cannot_empt
     tops of /proc and /dev/pts (a warm interpreter's jobs; a reused init's root), /tmp and /dev/shm (a
     reused init's, emptied but their times kept). Now each case sees them as the first did: half passes.
     And a run cannot chmod the host's device nodes (root's runs are the host's root)."""
-    uid, env, home = user
-    tasks, predictions, out = home / "tasks.jsonl", home / "predictions.jsonl", home / "results.jsonl"
-    tasks.write_text(json.dumps({"task_id": PLAIN, "inputs": ["1\n"] * 4, "outputs": ["A", "B"] * 2}) + "\n"
-                     + json.dumps({"task_id": PLAIN, "impossible_type": "conflicting",
-                                   "assert_case": ["assert f(1) == 2", "assert f(1) == 3"] * 2}) + "\n")
-    predictions.write_text(
-        json.dumps({"task_id": PLAIN, "solution": COUNTER + "input()\nprint('AB'[_count() % 2])\n"}) + "\n"
-        + json.dumps({"task_id": f"{PLAIN}__conflicting",
-                      "solution": COUNTER + "def f(x):\n    return 2 + _count() % 2\n"}) + "\n")
-    if uid is not None:
-        for path in (tasks, predictions):
-            os.chown(path, uid, uid)
+    uid, env, _ = user
+    tasks = [{"task_id": PLAIN, "inputs": ["1\n"] * 4, "outputs": ["A", "B"] * 2},
+             {"task_id": PLAIN, "impossible_type": "conflicting",
+              "assert_case": ["assert f(1) == 2", "assert f(1) == 3"] * 2}]
+    predictions = [{"task_id": PLAIN, "solution": COUNTER + "input()\nprint('AB'[_count() % 2])\n"},
+                   {"task_id": f"{PLAIN}__conflicting",
+                    "solution": COUNTER + "def f(x):\n    return 2 + _count() % 2\n"}]
     null = os.stat("/dev/null")
     try:
-        r = run_cli("grade", "--store", str(store), "--tasks", str(tasks), "--predictions", str(predictions),
-                    "-o", str(out), user=uid, env=env)
-        assert r.returncode == 0, r.stderr
-        results = {row["task_id"]: row for row in map(json.loads, out.read_text().splitlines())}
+        results = grade_as(user, store, tasks, predictions)
         assert {k: (v["status"], v["score"]) for k, v in results.items()} == {
             PLAIN: ("failed", 0.5), f"{PLAIN}__conflicting": ("failed", 0.5)}, results
         r = run_cli("run", "--store", str(store), PLAIN, "--", "sh", "-c",
@@ -505,16 +504,7 @@ def test_a_case_reads_no_count_of_the_cases_before_it_in_its_pid_namespace(store
     (root): a job read its own pid there, which advanced with every fork of the jobs before it, and the
     zygote's counters (tests/test_warm.py), so conflicting cases passed whole. Now the pids are the same
     every job: half passes."""
-    uid, env, home = user
-    tasks, predictions, out = home / "tasks.jsonl", home / "predictions.jsonl", home / "results.jsonl"
-    tasks.write_text(json.dumps({"task_id": PLAIN, "inputs": ["1\n"] * 4, "outputs": ["A", "B"] * 2}) + "\n")
     solution = COUNTERS[counter] + "input()\nprint('AB'[_count() % 2])\n"
-    predictions.write_text(json.dumps({"task_id": PLAIN, "solution": solution}) + "\n")
-    if uid is not None:
-        for path in (tasks, predictions):
-            os.chown(path, uid, uid)
-    r = run_cli("grade", "--store", str(store), "--tasks", str(tasks), "--predictions", str(predictions),
-                "-o", str(out), user=uid, env=env)
-    assert r.returncode == 0, r.stderr
-    [result] = [json.loads(line) for line in out.read_text().splitlines()]
+    [result] = grade_as(user, store, [{"task_id": PLAIN, "inputs": ["1\n"] * 4, "outputs": ["A", "B"] * 2}],
+                        [{"task_id": PLAIN, "solution": solution}]).values()
     assert (result["status"], result["score"]) == ("failed", 0.5), result

@@ -544,33 +544,46 @@ def test_wheel_tags_that_install_on_a_cpython():
                     "cp36-abi3-manylinux2010_x86_64", "cp39-cp39-linux_x86_64"]
 
 
-def test_a_version_whose_instances_share_its_install_files_installs_once_even_if_packages_change(tmp_path):
-    """Each instance would run the same install over the same environment: the version's layer does it, even
-    where it changes the environment's packages (sphinx's pre_install pins Jinja2<3.0 against the deps
-    layer's 3.0.3: 21 MB per instance when each did it); an instance with other install files keeps its own."""
+def marshmallow_line(tmp_path: Path, files: tuple[tuple[str, str], ...]) -> tuple[dict, list[str]]:
+    """The marshmallow sample's second row, and a commit on its base commit per (file, text), each on the last:
+    the row and [base commit, then those commits]."""
     repo = tmp_path / "marshmallow"
     subprocess.run(["git", "clone", "-q", str(DATA / "repos/marshmallow.bundle"), str(repo)], check=True)
     row = [json.loads(line) for line in MARSHMALLOW.read_text().splitlines()][1]
     git(repo, "checkout", "-q", row["base_commit"])
-    heads = []
-    for name, text in (("NOTES.txt", "a\n"), ("src/marshmallow/extra.py", "X = 1\n"), ("setup.cfg", "[x]\n")):
+    heads = [row["base_commit"]]
+    for name, text in files:
         (repo / name).write_text(text)
         git(repo, "add", name)
         git(repo, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "-m", name)
         heads.append(git(repo, "rev-parse", "HEAD").strip())
+    return row, heads
+
+
+def catalog_of(tmp_path: Path, row: dict, commits: list[str]):
+    """The catalog of one instance per commit (marshmallow-N, the version's setup commit the first)."""
+    dataset = tmp_path / "d.jsonl"
+    dataset.write_text("".join(json.dumps({**row, "instance_id": f"marshmallow-code__marshmallow-{i}",
+                                           "base_commit": c, "environment_setup_commit": commits[0]}) + "\n"
+                               for i, c in enumerate(commits)))
+    r = run_cli("swebench", "catalog", str(dataset), "--repos", str(tmp_path), "-o", str(tmp_path / "c.yaml"),
+                "--python", "3.9=registry.example/python:3.9", "--cutoff", "none")
+    assert r.returncode == 0, r.stderr
+    return load(tmp_path / "c.yaml")
+
+
+def test_a_version_whose_instances_share_its_install_files_installs_once_even_if_packages_change(tmp_path):
+    """Each instance would run the same install over the same environment: the version's layer does it, even
+    where it changes the environment's packages (sphinx's pre_install pins Jinja2<3.0 against the deps
+    layer's 3.0.3: 21 MB per instance when each did it); an instance with other install files keeps its own."""
+    row, heads = marshmallow_line(tmp_path, (("NOTES.txt", "a\n"), ("src/marshmallow/extra.py", "X = 1\n"),
+                                             ("setup.cfg", "[x]\n")))
 
     def version_env(*commits: str):
-        dataset = tmp_path / "d.jsonl"
-        dataset.write_text("".join(json.dumps({**row, "instance_id": f"marshmallow-code__marshmallow-{i}",
-                                               "base_commit": c, "environment_setup_commit": commits[0]}) + "\n"
-                                   for i, c in enumerate(commits)))
-        r = run_cli("swebench", "catalog", str(dataset), "--repos", str(tmp_path), "-o", str(tmp_path / "c.yaml"),
-                    "--python", "3.9=registry.example/python:3.9", "--cutoff", "none")
-        assert r.returncode == 0, r.stderr
-        return load(tmp_path / "c.yaml").environments["marshmallow-code__marshmallow-3.0"].env
+        return catalog_of(tmp_path, row, list(commits)).environments["marshmallow-code__marshmallow-3.0"].env
 
-    assert version_env(heads[0], heads[1]).get("INSTALL_AS_INSTANCES") == "1", "a module added: same install"
-    assert "INSTALL_AS_INSTANCES" not in version_env(heads[0], heads[2]), "setup.cfg differs: each its own"
+    assert version_env(heads[1], heads[2]).get("INSTALL_AS_INSTANCES") == "1", "a module added: same install"
+    assert "INSTALL_AS_INSTANCES" not in version_env(heads[1], heads[3]), "setup.cfg differs: each its own"
 
 
 def test_instances_that_would_install_alike_share_an_install_layer(tmp_path):
@@ -578,26 +591,10 @@ def test_instances_that_would_install_alike_share_an_install_layer(tmp_path):
     changes the environment's packages (21-24 MB apiece on sphinx). Two or more alike, whose merge-base has
     their files too, now sit on a layer at that merge-base that installs as they would; one alone keeps the
     untouched version layer, as does every instance of a version with one set of install files."""
-    repo = tmp_path / "marshmallow"
-    subprocess.run(["git", "clone", "-q", str(DATA / "repos/marshmallow.bundle"), str(repo)], check=True)
-    row = [json.loads(line) for line in MARSHMALLOW.read_text().splitlines()][1]
-    git(repo, "checkout", "-q", row["base_commit"])
-    heads = [row["base_commit"]]
-    for name, text in (("NOTES.txt", "a\n"), ("setup.cfg", "[x]\n"), ("src/marshmallow/extra.py", "X = 1\n"),
-                       ("setup.py", "# changed\n")):
-        (repo / name).write_text(text)
-        git(repo, "add", name)
-        git(repo, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "-m", name)
-        heads.append(git(repo, "rev-parse", "HEAD").strip())
     # base, +NOTES (base's install files), +setup.cfg, +module (setup.cfg's files), +setup.py (alone)
-    dataset = tmp_path / "d.jsonl"
-    dataset.write_text("".join(json.dumps({**row, "instance_id": f"marshmallow-code__marshmallow-{i}",
-                                           "base_commit": c, "environment_setup_commit": heads[0]}) + "\n"
-                               for i, c in enumerate(heads)))
-    r = run_cli("swebench", "catalog", str(dataset), "--repos", str(tmp_path), "-o", str(tmp_path / "c.yaml"),
-                "--python", "3.9=registry.example/python:3.9", "--cutoff", "none")
-    assert r.returncode == 0, r.stderr
-    cat = load(tmp_path / "c.yaml")
+    row, heads = marshmallow_line(tmp_path, (("NOTES.txt", "a\n"), ("setup.cfg", "[x]\n"),
+                                             ("src/marshmallow/extra.py", "X = 1\n"), ("setup.py", "# changed\n")))
+    cat = catalog_of(tmp_path, row, heads)
     version = "marshmallow-code__marshmallow-3.0"
     assert "INSTALL_AS_INSTANCES" not in cat.environments[version].env
     first, second = (f"{version}-installed-at-{heads[n][:12]}" for n in (0, 2))
