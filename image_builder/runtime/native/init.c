@@ -66,6 +66,7 @@
 #include <unistd.h>
 
 #define CTL 3
+#define CAP_SYS_RESOURCE 24 /* linux/capability.h */
 #define MAKE_WORKDIR 1 /* a job's flag: its workdir is the instance's, made where missing */
 #define ZYGOTE 2       /* a job's flag: the command is a warm interpreter (zygote.py): pid_keeper() */
 #define MAX_MESSAGE (1 << 16)
@@ -452,7 +453,9 @@ static int enter_root(const struct spec *s, int *cgroup, int scratch_fd[3]) {
         return fail("open /tmp: %s", strerror(errno));
     if (do_mount("proc", "proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL))
         return -1;
-    user_limits = open("proc/sys/user", O_PATH | O_DIRECTORY | O_CLOEXEC); /* before /proc/sys is read-only */
+    /* For no_namespaces(), before /proc/sys is read-only (ENOENT: a kernel without user namespace limits). */
+    if ((user_limits = open("proc/sys/user", O_PATH | O_DIRECTORY | O_CLOEXEC)) < 0 && errno != ENOENT)
+        return fail("open /proc/sys/user: %s", strerror(errno));
     if (!s->userxattr) { /* root inside is host root: its files there are not for the run */
         char devnull[PATH_MAX], empty[PATH_MAX];
         snprintf(devnull, sizeof devnull, "%s/dev/null", s->base);
@@ -555,7 +558,9 @@ static int own_userns(int more_users) {
    mounts were made ahead, before the case before it ran: 10,000 namespaces made by one case were
    there for the next to count. A warm interpreter makes its jobs' namespaces (a job's namespaces and
    mounts are all made as it starts: nothing older to count from); a sandbox (an agent's) and a shell
-   keep them. ENOENT: a kernel without these limits. */
+   keep them. ENOENT: a kernel without these limits. Root of this user namespace may raise its limits
+   with CAP_SYS_RESOURCE there (rootless, /proc/sys is writable): the run's bounding set loses it (it
+   grants nothing else in a user namespace: raising a hard rlimit takes it in the host's). */
 static int no_namespaces(void) {
     static const char *const limits[] = {"max_user_namespaces", "max_net_namespaces", "max_mnt_namespaces",
                                          "max_pid_namespaces", "max_ipc_namespaces", "max_uts_namespaces",
@@ -571,6 +576,8 @@ static int no_namespaces(void) {
         if (bad)
             return fail("limit %s: %s", limits[i], strerror(e));
     }
+    if (prctl(PR_CAPBSET_DROP, CAP_SYS_RESOURCE, 0, 0, 0))
+        return fail("drop CAP_SYS_RESOURCE: %s", strerror(errno));
     return 0;
 }
 
