@@ -122,3 +122,18 @@ def test_bad_local_bases_are_one_line_errors(tmp_path, tiny_base):
     r = run_cli("build", str(cat), "--store", str(tmp_path / "store"), "--cache-dir", str(tmp_path / "fresh"))
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "digest mismatch" in r.stderr, r.stderr
+
+
+def test_a_debootstrap_killed_midway_leaves_nothing_the_next_cannot_remove(tmp_path):
+    """A killed debootstrap leaves its target's /proc mounted; the next attempt's rmtree (and `rm -rf` of the
+    cache) then failed on every file of it. unmount_under detaches it first (root: the only debootstrapper)."""
+    from image_builder.oci.debian import unmount_under
+    tmp = tmp_path / "debian-bookworm-x.tmp"
+    (tmp / "proc").mkdir(parents=True)
+    subprocess.run(["mount", "-t", "proc", "proc", str(tmp / "proc")], check=True)
+    try:
+        unmount_under(tmp)
+        shutil.rmtree(tmp)
+    finally:
+        subprocess.run(["umount", "-l", str(tmp / "proc")], capture_output=True)
+    assert not tmp.exists()

@@ -50,8 +50,19 @@ def debian_rootfs(suite: str, cache_dir: Path, include: tuple[str, ...] = PYTHON
     return dest
 
 
+def unmount_under(tree: Path) -> None:
+    """Detach what is mounted in `tree`: a debootstrap killed midway leaves the target's /proc mounted,
+    and every later attempt (and `rm -rf` of the cache) failed on it, file by file."""
+    inside = f"{tree}/"
+    with open("/proc/self/mountinfo") as f:
+        points = [line.split()[4].replace("\\040", " ") for line in f]
+    for point in sorted((p for p in points if p.startswith(inside)), key=len, reverse=True):
+        subprocess.run(["umount", "-l", point], capture_output=True)
+
+
 def _debootstrap(suite: str, include: tuple[str, ...], dest: Path, mirror: str | None) -> None:
     tmp = dest.with_name(dest.name + ".tmp")
+    unmount_under(tmp)
     shutil.rmtree(tmp, ignore_errors=True)
     r = subprocess.run(["debootstrap", "--variant=minbase", f"--include={','.join(include)}", suite, str(tmp),
                         *([mirror] if mirror else [])], capture_output=True, text=True)
