@@ -249,20 +249,33 @@ def debian_bullseye_base(registries) -> str:
     return _debian_image(registries, "bullseye")  # Python 3.9
 
 
-@pytest.fixture(scope="session")
-def marshmallow_store(registries, debian_base, debian_bullseye_base, tmp_path_factory) -> Path:
-    """index/swebench-marshmallow.yaml built for real: two environments, two instances."""
+def built_once(name: str, tmp_path_factory, catalog: Path, bases: dict[str, str], registries: Registries) -> Path:
+    """`catalog` built for real into a store the run's xdist workers share: the first worker to ask builds
+    it, the other waits on the lock and finds it built (each worker built its own: 60 s more of a worker's
+    time for the marshmallow store, 46 s for the sandbox languages'). Tests only read it (a test that
+    changes a store copies it first)."""
     from image_builder.build.catalog import load
     from image_builder.build.envbuild import BuildOptions
     from image_builder.build.storebuild import StoreBuildOptions, build_store
-    work = tmp_path_factory.mktemp("marshmallow")
-    catalog = load(ROOT / "index/swebench-marshmallow.yaml",
-                   bases={"bookworm-python": debian_base, "bullseye-python": debian_bullseye_base})
-    build = BuildOptions(store=work / "store", cache=BlobCache(work / "cache"),
-                         registry=RegistryOptions(ca_cert=registries.tls.cert))
-    summary = build_store(catalog, StoreBuildOptions(build, jobs=2))
-    assert not summary.failed, [(f.message, f.tail) for f in summary.failed]
+    basetemp = tmp_path_factory.getbasetemp()
+    work = (basetemp.parent if os.environ.get("PYTEST_XDIST_WORKER") else basetemp) / f"built-{name}"
+    work.mkdir(exist_ok=True)
+    with open(work / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (work / "built").exists():
+            build = BuildOptions(store=work / "store", cache=BlobCache(work / "cache"),
+                                 registry=RegistryOptions(ca_cert=registries.tls.cert))
+            summary = build_store(load(catalog, bases=bases), StoreBuildOptions(build, jobs=2))
+            assert not summary.failed, [(f.message, f.tail) for f in summary.failed]
+            (work / "built").touch()
     return work / "store"
+
+
+@pytest.fixture(scope="session")
+def marshmallow_store(registries, debian_base, debian_bullseye_base, tmp_path_factory) -> Path:
+    """index/swebench-marshmallow.yaml built for real: two environments, two instances."""
+    return built_once("marshmallow", tmp_path_factory, ROOT / "index/swebench-marshmallow.yaml",
+                      {"bookworm-python": debian_base, "bullseye-python": debian_bullseye_base}, registries)
 
 
 @pytest.fixture(scope="session")

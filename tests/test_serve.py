@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import requests
 
-from image_builder.devtools.localregistry import free_port, stop_process
+from sandbox_fusion import RunCodeRequest, RunStatus, run_code
+from sandbox_fusion.models import CommandRunStatus
 
-sandbox_fusion = pytest.importorskip("sandbox_fusion")
-from sandbox_fusion import RunCodeRequest, RunStatus, run_code  # noqa: E402
-from sandbox_fusion.models import CommandRunStatus  # noqa: E402
+from image_builder.devtools.localregistry import free_port, stop_process
+from tests.conftest import ROOT, built_once
 
 EXE = Path(os.environ.get("VIRTUAL_ENV", Path(__file__).resolve().parents[1] / ".venv")) / "bin" / "image-builder"
 
@@ -559,18 +559,8 @@ def test_a_submit_the_server_cannot_evaluate_is_400_with_the_reason(open_server,
 @pytest.fixture(scope="module")
 def languages_server(registries, debian_base, tmp_path_factory):
     """index/sandbox.yaml built for real (g++, nodejs, bash from Debian's packages) and served."""
-    from image_builder.build.catalog import load
-    from image_builder.build.envbuild import BuildOptions
-    from image_builder.build.storebuild import StoreBuildOptions, build_store
-    from image_builder.oci.cache import BlobCache
-    from image_builder.oci.registry import RegistryOptions
-    work = tmp_path_factory.mktemp("languages")
-    catalog = load(Path(__file__).resolve().parents[1] / "index/sandbox.yaml", bases={"debian": debian_base})
-    build = BuildOptions(store=work / "store", cache=BlobCache(work / "cache"),
-                         registry=RegistryOptions(ca_cert=registries.tls.cert))
-    summary = build_store(catalog, StoreBuildOptions(build, jobs=2))
-    assert not summary.failed, [(f.message, f.tail) for f in summary.failed]
-    server = start(work / "store", work, "--no-token")
+    store = built_once("languages", tmp_path_factory, ROOT / "index/sandbox.yaml", {"debian": debian_base}, registries)
+    server = start(store, tmp_path_factory.mktemp("languages"), "--no-token")
     yield server
     server.stop()
 

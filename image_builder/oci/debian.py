@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import inspect
 import shutil
 import subprocess
 from pathlib import Path
@@ -36,7 +37,10 @@ def debian_base(suite: str, layout: Path, cache_dir: Path, include: tuple[str, .
 def debian_rootfs(suite: str, cache_dir: Path, include: tuple[str, ...] = PYTHON_PACKAGES,
                   mirror: str | None = None) -> Path:
     """A Debian minbase tree with `include`, made with debootstrap (about a minute) and cached."""
-    tag = hashlib.sha256(" ".join(sorted(include) + ([mirror] if mirror else [])).encode()).hexdigest()[:8]
+    # Keyed by the recipe too (how _debootstrap makes the tree): a tree made another way is made again,
+    # so a kept cache (CI keeps its bases) never hides a change to how bases are made.
+    recipe = [*sorted(include), *([mirror] if mirror else []), inspect.getsource(_debootstrap)]
+    tag = hashlib.sha256(" ".join(recipe).encode()).hexdigest()[:8]
     dest = cache_dir / f"debian-{suite}-{tag}"
     if (dest / "bin").exists():
         return dest
