@@ -76,9 +76,9 @@ import sys
 import time
 
 from .cgroups import Cgroups, locate_cgroups
-from .mounts import (CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWUSER, INIT_MISSING, MS_NODEV, MS_NOSUID,
+from .mounts import (CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWUSER, INIT_MISSING, MS_NODEV, MS_NOSUID,
                      MS_RDONLY, MS_REC, MS_SLAVE, PR_SET_PDEATHSIG, RootSpec, RunnerError, bind_readonly, dev_template,
-                     fuse_mount, hold_tree, init_program, loop_mount, map_root, mount, offline_network, prctl,
+                     fuse_mount, hold_tree, init_program, loop_mount, map_root, mount, prctl,
                      setns, umount, unshare)
 from .statedir import peer
 
@@ -403,28 +403,22 @@ class Holder:
 
     def _fill_netns(self) -> None:
         """Isolated network namespaces with lo up, for the next inits, made ahead of need
-        (about 2.5 ms of CPU each here, and more to tear down). Each serves one init only:
-        what a run's sockets leave (TIME_WAIT) outlives its processes. Where none can be made, inits make their
-        own (and say why not)."""
-        # A child makes them: without privileges on the host's namespace, a process that
-        # leaves it cannot come back.
+        (about 2.5 ms of CPU each here, and more to tear down) by an init in its netns mode
+        (native/init.c make_netns: a process that leaves a namespace without privileges over
+        the host's cannot come back). Each serves one init only. Where none can be made, inits
+        make their own (and say why not)."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        pid = os.fork()
-        if pid == 0:
-            try:
-                for _ in range(_NETNS_BATCH):
-                    unshare(CLONE_NEWNET)
-                    offline_network()
-                    fd = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-                    send_fds(child, {}, [fd])
-                    os.close(fd)
-            finally:
-                os._exit(0)
-        child.close()
+        high = fcntl.fcntl(child.fileno(), fcntl.F_DUPFD_CLOEXEC, 10)
+        try:
+            pid = os.posix_spawn(self.init_program, [self.init_program, "netns", str(_NETNS_BATCH)], {},
+                                 file_actions=[(os.POSIX_SPAWN_DUP2, high, 3)])
+        finally:
+            os.close(high)
+            child.close()
         try:
             while len(self.free_netns) < _NETNS_BATCH:
-                msg, fds = recv_fds(parent, 1)
-                if msg is None:
+                _, fds = recv_fds(parent, 1)
+                if not fds:
                     break
                 self.free_netns.extend(fds)
         finally:

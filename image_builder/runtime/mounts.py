@@ -16,10 +16,9 @@ import struct
 import sys
 
 from image_builder.errors import ImageBuilderError
-from image_builder.runtime.zygote import offline_network  # one definition: zygote.py ships standalone
 
 __all__ = ["INIT_MISSING", "RootSpec", "RunnerError", "bind_readonly", "dev_template", "fuse_mount", "hold_tree",
-           "init_program", "loop_mount", "map_root", "mount", "offline_network", "prctl", "read_file", "setns",
+           "init_program", "loop_mount", "map_root", "mount", "prctl", "read_file", "setns",
            "squashfuse", "umount", "unshare", "write_file"]
 
 
