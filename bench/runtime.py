@@ -64,6 +64,18 @@ def throughput(run_one, n: int = THROUGHPUT_RUNS, workers: int = WORKERS) -> flo
     return n / (time.perf_counter() - t0)
 
 
+def machine_cpu(run_one, n: int = THROUGHPUT_RUNS, workers: int = WORKERS) -> float:
+    """Milliseconds of the whole machine's CPU (/proc/stat: every process, the kernel's workers
+    too, which tear namespaces down after a run) per run of `run_one` from `workers` threads."""
+    def busy() -> int:
+        with open("/proc/stat") as f:
+            ticks = list(map(int, f.readline().split()[1:]))
+        return sum(ticks) - ticks[3] - ticks[4]  # all but idle and iowait
+    before = busy()
+    throughput(run_one, n, workers)
+    return (busy() - before) * 1000 / os.sysconf("SC_CLK_TCK") / n
+
+
 def cold_start(layers: InstanceLayers, backend: Backend, state_dir: Path) -> tuple[float, float]:
     """(open + first run, the next run) with no holder running: a new state dir each time."""
     t0 = time.perf_counter()
@@ -283,6 +295,12 @@ def main(rounds: int = 40) -> Report:
             report.rows.append(Row(f"{THROUGHPUT_RUNS} runs of python3 writing /root/x, {WORKERS} workers (kernel)",
                                    rates["python3 writing /root/x", "kernel"], "bwrap --unshare-all, fresh /proc /dev /tmp",
                                    throughput(lambda: subprocess.run(isolated, check=True)), "", "runs/s"))
+            # What a fresh root costs beyond the command: `true`, the machine's CPU a run.
+            true_ours = machine_cpu(lambda: ours(kernel, ("true",)))
+            for peer, argv in (("chroot DIR true", ["chroot", tree, "true"]),
+                               ("bwrap --unshare-all true, fresh /proc /dev /tmp", [*isolated[:-len(WRITE)], "true"])):
+                report.rows.append(Row(f"machine CPU a run of true, {WORKERS} workers (kernel)", true_ours, peer,
+                                       machine_cpu(lambda: subprocess.run(argv, check=True)), "", "ms"))
             report.rows.append(Row("CLI: image-builder run ID python3 -c pass, fresh process (kernel, warm)",
                                    cli_run(work, img) * 1000, "ch-run FILE.sqfs", ms["ch-run FILE.sqfs"],
                                    "<= 1.0x", "ms"))
