@@ -1001,6 +1001,38 @@ def test_the_init_refuses_a_bad_command_line_in_one_line():
     assert r.returncode == 2 and r.stderr.startswith("usage: image-builder-init session|joined|sandbox BASE LOWER"), r
 
 
+IN_NETNS = """
+import ctypes, json, os, sys
+if ctypes.CDLL(None, use_errno=True).setns(int(sys.argv[1]), 0x40000000):
+    sys.exit("setns failed")
+routes = [line.split()[0] for line in open("/proc/self/net/route").read().splitlines()[1:]]
+devices = [line.split(":")[0].strip() for line in open("/proc/self/net/dev").read().splitlines()[2:]]
+print(json.dumps([devices, sorted(set(routes)), len(routes), os.readlink("/proc/self/ns/net")]))
+"""
+
+
+def test_the_init_makes_the_pools_network_namespaces():
+    """`image-builder-init netns N` (the holder's pool, made without forking the Python holder): N new
+    network namespaces, each sent on fd 3, with lo alone and the silent routes on it, none the caller's."""
+    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    init = str(Path(sys.executable).parent / "image-builder-init")
+    pid = os.posix_spawn(init, [init, "netns", "2"], {}, file_actions=[(os.POSIX_SPAWN_DUP2, child.fileno(), 3)])
+    child.close()
+    got = []
+    for _ in range(3):  # two namespaces, then the end
+        got += socket.recv_fds(parent, 1, 1)[1]
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0 and len(got) == 2, got
+    seen = []
+    for fd in got:
+        out = subprocess.run([sys.executable, "-c", IN_NETNS, str(fd)], pass_fds=[fd], capture_output=True, text=True)
+        os.close(fd)
+        assert out.returncode == 0, out.stderr
+        seen.append(json.loads(out.stdout))
+    assert [s[:2] for s in seen] == [[["lo"], ["lo"]]] * 2 and all(s[2] >= 3 for s in seen), seen
+    names = {s[3] for s in seen}
+    assert len(names) == 2 and os.readlink("/proc/self/ns/net") not in names, seen
+
+
 @pytest.mark.parametrize("memory_mb, events, expect", [
     (200, "oom 1\noom_kill 1\n", ("1 1 204800", "77", "209715200", "0")),
     (0, "oom 0\noom_kill 0\n", ("1 0 204800", "77", "max", "max")),
