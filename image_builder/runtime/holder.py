@@ -173,13 +173,18 @@ def spawn_init(program: str, spec: RootSpec, mode: str, ctl: int, idle: float = 
             spec.console or "", str(max(1, int(idle)))]
     for src, dest, readonly in spec.binds:
         argv += [src, dest, str(int(readonly))]
-    # Above 4 first: dup2 onto 3 and 4 must not overwrite one of the two before it is copied.
-    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10) for fd in (ctl, *(() if netns is None else (netns,)))]
+    # A session of its own: a scheduler autogroup that a run renicing /proc/1/autogroup slows for
+    # this init alone, not for the holder and every other init (red team).
+    return spawn_with(program, argv, (ctl, *(() if netns is None else (netns,))), setsid=True)
+
+
+def spawn_with(program: str, argv: list[str], fds: tuple[int, ...], setsid: bool = False) -> int:
+    """posix_spawn `program` with `fds` as its descriptors 3, 4, ...; the pid."""
+    # Above them first: dup2 onto 3 and 4 must not overwrite one of them before it is copied.
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10) for fd in fds]
     try:
-        # A session of its own: a scheduler autogroup that a run renicing /proc/1/autogroup slows for
-        # this init alone, not for the holder and every other init (red team).
         return os.posix_spawn(program, argv, {}, file_actions=[(os.POSIX_SPAWN_DUP2, fd, 3 + i)
-                                                                 for i, fd in enumerate(high)], setsid=True)
+                                                                 for i, fd in enumerate(high)], setsid=setsid)
     finally:
         for fd in high:
             os.close(fd)
@@ -408,12 +413,9 @@ class Holder:
         the host's cannot come back). Each serves one init only. Where none can be made, inits
         make their own (and say why not)."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        high = fcntl.fcntl(child.fileno(), fcntl.F_DUPFD_CLOEXEC, 10)
         try:
-            pid = os.posix_spawn(self.init_program, [self.init_program, "netns", str(_NETNS_BATCH)], {},
-                                 file_actions=[(os.POSIX_SPAWN_DUP2, high, 3)])
+            pid = spawn_with(self.init_program, [self.init_program, "netns", str(_NETNS_BATCH)], (child.fileno(),))
         finally:
-            os.close(high)
             child.close()
         try:
             while len(self.free_netns) < _NETNS_BATCH:
