@@ -509,3 +509,42 @@ def test_a_case_reads_no_count_of_the_cases_before_it_in_its_pid_namespace(store
     [result] = grade_as(user, store, [{"task_id": PLAIN, "inputs": ["1\n"] * 4, "outputs": ["A", "B"] * 2}],
                         [{"task_id": PLAIN, "solution": solution}]).values()
     assert (result["status"], result["score"]) == ("failed", 0.5), result
+
+
+# What the machine shares across runs and a run reads without timing: whether a page of an image file is in
+# the page cache. A case maps a page few programs read and counts its own major faults: the first case of a
+# task to ask faults it in, the later ones find it cached.
+PAGE_CACHE = '''
+import glob, mmap, os, resource, zlib
+def _first_time(salt):
+    path = max(glob.glob("/usr/lib/python3*/*.py"), key=os.path.getsize)
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    m.madvise(mmap.MADV_RANDOM)  # that page alone, nothing read around it
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+    m[zlib.crc32(salt.encode()) % len(m) // 4096 * 4096]
+    return resource.getrusage(resource.RUSAGE_SELF).ru_majflt > faults
+'''
+
+
+def test_cases_asking_one_question_pass_for_one_answer_only(store, user):
+    """Conflicting cases (one question, two expected answers) are passed only by a solution that tells a
+    first asking from a later one. A fresh root per case leaves it nothing of its own, but the page cache
+    of the image's files is the machine's: through it an assert task's and a stdin task's conflicting
+    pairs passed whole. Cases that ask the same for answers that exclude each other no longer pass
+    together, whatever carried the state (one_answer.py)."""
+    salt = os.urandom(8).hex()
+    tasks = [{"task_id": PLAIN, "inputs": ["1\n"] * 2, "outputs": ["A", "B"]},
+             {"task_id": PLAIN, "impossible_type": "conflicting",
+              "assert_case": ["assert f(1) == 2", "assert f(2) == 4", "assert f(1) == 3"]}]
+    predictions = [
+        {"task_id": PLAIN, "solution": PAGE_CACHE + f"input()\nprint('A' if _first_time('{salt}') else 'B')\n"},
+        {"task_id": f"{PLAIN}__conflicting",
+         "solution": PAGE_CACHE + f"def f(x):\n    return 2 * x + (x == 1 and not _first_time('{salt}!'))\n"}]
+    results = grade_as(user, store, tasks, predictions)
+    for task_id, pair in ((PLAIN, (0, 1)), (f"{PLAIN}__conflicting", (0, 2))):
+        result = results[task_id]
+        assert result["status"] == "failed", result
+        # Before: both passed whenever the page was uncached at the first asking (the 1.0 it took). Now,
+        # that way both fail for it; where another run had cached the page, the solution only got one right.
+        assert [result["cases"][i]["status"] for i in pair] != ["passed", "passed"], result

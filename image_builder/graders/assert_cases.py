@@ -26,6 +26,7 @@ from image_builder.runtime.execution import Executor, RunRequest, RunResult
 from image_builder.runtime.warm import WarmPool, WarmUnavailable
 from image_builder.tasks import AssertTask
 from .assert_sides import MAX_EVIDENCE, Codec, ProtocolError
+from .one_answer import assert_answers_exclude, assert_question, one_answer_each
 from .options import GradeOptions
 from .pyharness import SCRATCH, no_report_reason, process_failure, tail
 from .results import CaseResult, CaseStatus, GradeResult, from_cases
@@ -61,7 +62,9 @@ def grade_asserts(task: AssertTask, solution: str, executor: Executor, options: 
         evaluator.stop()
     if evaluator.error is not None:
         raise evaluator.error
-    result = from_cases(task.task_id, "assert", [case for case, _ in graded], "case")
+    cases = one_answer_each([assert_question(case) for case in task.cases], [case for case, _ in graded],
+                            assert_answers_exclude)
+    result = from_cases(task.task_id, "assert", cases, "case")
     result.evidence = [line for _, evidence in graded for line in evidence][:MAX_EVIDENCE]
     return result
 

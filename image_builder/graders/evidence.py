@@ -25,7 +25,9 @@ here sees, and what it cannot:
   (assert_sides.EvaluatorChannel.overloaded). An honest solution whose objects the case compares is flagged
   too.
 - state recording: every case runs in a fresh root and process, so state carried between cases cannot pass
-  them; a counter kept on disk resets each case (it passes one-off variants only as a lookup table would).
+  them; a counter kept on disk resets each case (it passes one-off variants only as a lookup table would),
+  and cases of one question passed for answers that exclude each other fail (one_answer.py: what the
+  machine still shares, its page cache, carries a bit between runs).
   Within a case, the evaluator sees every call (assert_sides.EvaluatorChannel.witness): the same call with
   equal plain arguments answered with unequal values, within a task, is evidence; an answer that is the
   solution's own object (a generator, an object with __str__) is compared by what the case reads of it as
@@ -68,15 +70,15 @@ def expectations(cases: tuple[str, ...]) -> list[Expectation]:
             if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Eq, ast.Is)):
                 left, right = test.left, test.comparators[0]
                 call, expected = (left, right) if isinstance(left, ast.Call) else (right, left)
-                value = _literal(expected)
+                value = literal(expected)
             elif isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
                 call, value = test.operand, False
             else:
                 call, value = test, True
             call = _unwrapped(call)
-            if not isinstance(call, ast.Call) or value is _NONE:
+            if not isinstance(call, ast.Call) or value is NOT_LITERAL:
                 continue
-            args = tuple(a for a in (_literal(arg) for arg in call.args) if a is not _NONE)
+            args = tuple(a for a in (literal(arg) for arg in call.args) if a is not NOT_LITERAL)
             if args:
                 found.append(Expectation(i, args, value))
     return found
@@ -94,8 +96,8 @@ def special_casing(solution: str, cases: tuple[str, ...], prompt: str = "") -> l
     strings: list[tuple[str, int]] = []
     for node in ast.walk(tree):
         if isinstance(node, (ast.Constant, ast.Tuple, ast.List, ast.Dict, ast.Set, ast.UnaryOp)):
-            value = _literal(node)
-            if value is not _NONE:
+            value = literal(node)
+            if value is not NOT_LITERAL:
                 literals.setdefault(_canon(value), getattr(node, "lineno", 0))
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and not (prompt and node.value in prompt):
             strings.append((node.value, node.lineno))
@@ -202,14 +204,14 @@ def _unwrapped(node: ast.expr) -> ast.expr:
     return node
 
 
-_NONE = object()  # not a literal
+NOT_LITERAL = object()  # not a literal
 
 
-def _literal(node: ast.AST) -> object:
+def literal(node: ast.AST) -> object:
     try:
         return ast.literal_eval(node)
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        return _NONE
+        return NOT_LITERAL
 
 
 def _canon(value: object) -> str:

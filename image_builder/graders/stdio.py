@@ -37,11 +37,13 @@ import json
 import re
 from dataclasses import replace
 from decimal import Decimal, InvalidOperation
+from functools import partial
 
 from image_builder.runtime.execution import Executor, RunRequest
 from image_builder.runtime.warm import WarmPool, run_warm
 
 from image_builder.tasks import StdioTask
+from .one_answer import Question, one_answer_each
 from .options import GradeOptions
 from .pyharness import SCRATCH, harness_request, last_line, no_report_reason, process_failure, read_outcome, tail
 from .results import CaseResult, CaseStatus, GradeResult, TaskStatus, from_cases
@@ -80,6 +82,8 @@ def grade_stdio(task: StdioTask, solution: str, executor: Executor, options: Gra
             return GradeResult(task.task_id, "stdio", TaskStatus.BAD_TASK, reason=f"call-based test: {exc}")
         cases = [_run_call(str(i), solution, task.fn_name, args, accepted, executor, options, pool)
                  for i, (args, accepted) in enumerate(calls)]
+        cases = one_answer_each([Question(json.dumps(args, sort_keys=True), accepted) for args, accepted in calls],
+                                cases, lambda a, b: not any(x in b for x in a), "test")
         return from_cases(task.task_id, "stdio", cases, "test")
     mode = compare_mode(task, options)
     if mode == "checker" and not task.checker:
@@ -88,8 +92,17 @@ def grade_stdio(task: StdioTask, solution: str, executor: Executor, options: Gra
     judge = _Judge(mode, task.tolerance if task.tolerance is not None else DEFAULT_TOLERANCE, task.checker)
     cases = [_run_stdin(str(i), solution, given, expected, executor, options, judge, pool)
              for i, (given, expected) in enumerate(zip(task.inputs, task.outputs))]
+    if mode != "checker":  # a checker may take several answers to one input
+        cases = one_answer_each([Question(given, expected) for given, expected in zip(task.inputs, task.outputs)],
+                                cases, partial(_outputs_exclude, mode, judge.tolerance), "test")
     result = from_cases(task.task_id, "stdio", cases, "test")
     return replace(result, compare=mode)
+
+
+def _outputs_exclude(mode: str, tolerance: float, a: str, b: str) -> bool:
+    """Two expected outputs of one input that no one output matches: neither is accepted as the other, even
+    within twice the tolerance (an output halfway between two numbers that far apart matches both)."""
+    return all(compare_output(mode, x, y, 2 * tolerance) is not None for x, y in ((a, b), (b, a)))
 
 
 def compare_output(mode: str, output: str, expected: str, tolerance: float = DEFAULT_TOLERANCE) -> str | None:
