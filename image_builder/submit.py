@@ -30,12 +30,14 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
 from image_builder.graders.grade import grade
 from image_builder.graders.options import GradeOptions
 from image_builder.graders.results import CaseResult, CaseStatus, GradeResult
-from image_builder.graders.stdio import compare_sandboxfusion
+from image_builder.graders.one_answer import Question, one_answer_each
+from image_builder.graders.stdio import DEFAULT_TOLERANCE, compare_sandboxfusion, outputs_exclude
 from image_builder.runtime.execution import Executor
 from image_builder.tasks import AssertTask, StdioTask
 
@@ -163,12 +165,15 @@ def _common_oj(s: Submission, executor: Executor, run_code: RunCode | None) -> E
     task = StdioTask(str(s.id), tuple(c["input"]["stdin"] for c in cases), tuple(c["output"]["stdout"] for c in cases),
                      str(s.id), compare="sandboxfusion")
     result = grade(task, code, executor, GradeOptions(stdio_timeout=s.run_timeout or STDIO_TIMEOUT))
-    tests = [EvalTestCase(case.status == CaseStatus.PASSED, _exec_info(case), cases[i])
-             for i, case in enumerate(result.cases)]
-    if not s.run_all_cases:  # SandboxFusion stops at the first failure
-        failed = next((i for i, t in enumerate(tests) if not t.passed), None)
-        tests = tests if failed is None else tests[:failed + 1]
+    tests = _to_first_failure(s, [EvalTestCase(case.status == CaseStatus.PASSED, _exec_info(case), cases[i])
+                                  for i, case in enumerate(result.cases)])
     return EvalResult(s.id, _accepted(result, tests), code, tests=tests, extracted_type=kind)
+
+
+def _to_first_failure(s: Submission, tests: list[EvalTestCase]) -> list[EvalTestCase]:
+    """SandboxFusion stops at the first failure unless the submission asks for every case."""
+    failed = next((i for i, t in enumerate(tests) if not t.passed), None)
+    return tests if s.run_all_cases or failed is None else tests[:failed + 1]
 
 
 def _stdio_runs(s: Submission, code: str, kind: str, cases: list[dict], run_code: RunCode) -> EvalResult:
@@ -187,6 +192,14 @@ def _stdio_runs(s: Submission, code: str, kind: str, cases: list[dict], run_code
         tests.append(EvalTestCase(passed, answer, case))
         if not passed and not s.run_all_cases:
             break
+    # One input, one answer, as the stdio grader judges python's (graders/one_answer.py).
+    judged = one_answer_each(
+        [Question(t.test_info["input"]["stdin"], t.test_info["output"]["stdout"]) for t in tests],
+        [CaseResult(str(i), CaseStatus.PASSED if t.passed else CaseStatus.FAILED) for i, t in enumerate(tests)],
+        partial(outputs_exclude, "sandboxfusion", DEFAULT_TOLERANCE), "test")
+    for test, case in zip(tests, judged):
+        test.passed = case.status is CaseStatus.PASSED
+    tests = _to_first_failure(s, tests)
     return EvalResult(s.id, all(t.passed for t in tests), code, tests=tests, extracted_type=kind)
 
 

@@ -114,3 +114,21 @@ def test_different_questions(a, b):
                                   "not python ("])
 def test_cases_of_other_shapes_ask_nothing_checked(case):
     assert assert_question(case) is None
+
+
+@pytest.mark.parametrize("run_all_cases", [True, False])
+def test_submit_s_other_languages_pass_one_input_for_one_answer(run_all_cases):
+    """/submit's runs of languages other than python (bash, cpp, nodejs) are judged in submit.py: the same
+    rule. A stand-in for /run_code answers the same input A, then B, as a solution that reads the page cache
+    would (tests/test_runtime_holes.py does that through the real runtime)."""
+    from image_builder.submit import evaluate, parse_submit
+
+    answers = iter(["A", "C", "B"])
+    tests = [{"input": {"stdin": s}, "output": {"stdout": o}} for s, o in (("1", "A"), ("2", "C"), ("1", "B"))]
+    submission = parse_submit({"dataset": "code_contests", "id": 1, "completion": "```bash\ncat\n```",
+                               "config": {"language": "bash", "provided_data": {"test": tests},
+                                          "extra": {"run_all_cases": run_all_cases}}})
+    result = evaluate(submission, None, lambda *request: {"status": "Success", "message": "",
+                                                          "run_result": {"stdout": next(answers)}})
+    assert not result.accepted
+    assert [t.passed for t in result.tests] == ([False, True, False] if run_all_cases else [False])

@@ -94,12 +94,12 @@ def grade_stdio(task: StdioTask, solution: str, executor: Executor, options: Gra
              for i, (given, expected) in enumerate(zip(task.inputs, task.outputs))]
     if mode != "checker":  # a checker may take several answers to one input
         cases = one_answer_each([Question(given, expected) for given, expected in zip(task.inputs, task.outputs)],
-                                cases, partial(_outputs_exclude, mode, judge.tolerance), "test")
+                                cases, partial(outputs_exclude, mode, judge.tolerance), "test")
     result = from_cases(task.task_id, "stdio", cases, "test")
     return replace(result, compare=mode)
 
 
-def _outputs_exclude(mode: str, tolerance: float, a: str, b: str) -> bool:
+def outputs_exclude(mode: str, tolerance: float, a: str, b: str) -> bool:
     """Two expected outputs of one input that no one output matches: neither is accepted as the other, even
     within twice the tolerance (an output halfway between two numbers that far apart matches both)."""
     return all(compare_output(mode, x, y, 2 * tolerance) is not None for x, y in ((a, b), (b, a)))
