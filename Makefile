@@ -32,16 +32,19 @@ host:
 # their dependencies, the swebench extra without its harness's (docker, datasets, modal: only its specs are
 # read) and inspect_evals' SWE-bench task for the tests (0.26.0 is the newest installable: 0.28.0 needs
 # inspect-evals-utils, not on PyPI; its swe_bench module needs only these beyond what is here).
+# The checkout is installed editable as a plain path (.pth), not through setuptools' import finder, whose
+# imports (pathlib, urllib.parse) cost every Python process here about 20 ms at start: the CLI's, the tests'.
 VENV_PACKAGES = -e '.[test]' 'inspect-ai==0.3.285' 'mini-swe-agent==2.4.6'
 VENV_NO_DEPS  = 'swebench==4.1.0' 'inspect-evals==0.26.0' 'backoff==2.2.1' 'unidiff==0.7.5'
-venv_install  = $(1) $(VENV_PACKAGES) && $(1) --no-deps $(VENV_NO_DEPS)
+venv_install  = $(1) $(2)editable_mode=compat $(VENV_PACKAGES) && $(1) --no-deps $(VENV_NO_DEPS)
 
 # Installed by uv: 32 s here where pip takes 109 (both compiling bytecode; a third of a CI run's demo);
 # by pip where uv fails (a site whose package mirror is set in pip.conf, which uv does not read).
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	{ $(PY) -m pip install -q 'uv==0.13.9' && $(call venv_install,$(VENV)/bin/uv pip install -q --python $(PY) --compile-bytecode); } \
-	  || { $(call venv_install,$(PY) -m pip install -q); }
+	{ $(PY) -m pip install -q 'uv==0.13.9' \
+	  && $(call venv_install,$(VENV)/bin/uv pip install -q --python $(PY) --compile-bytecode,--config-setting=); } \
+	  || { $(call venv_install,$(PY) -m pip install -q,--config-settings=); }
 	touch $@
 
 venv: $(VENV)/.installed

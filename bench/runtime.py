@@ -326,8 +326,9 @@ def main(rounds: int = 40) -> Report:
             "root: chroot, ours kernel, bwrap, bare python; uid 65534: ours userns, ch-run (timed in-process there)",
             "ours: a session's run (RunRequest, stdin /dev/null, output captured); chroot etc.: subprocess.run",
             "the warm rows are a session's run; the CLI row is a whole fresh `image-builder run` process, served by "
-            "the CLI server (cli_server.py) the first runs started; the checkout's venv is an editable install, "
-            "whose import finder costs every fresh process about 12 ms that a `pip install` does not",
+            "the CLI server (cli_server.py) the first runs started; the checkout's venv is an editable install "
+            "as a plain path (make's editable_mode=compat: setuptools' import finder cost every fresh process "
+            "about 20 ms here)",
             "userns: layers mounted with squashfuse_cached (image_builder/runtime/native, built by make: the kernel caches "
             "opens, listings and symlinks, and answers xattr queries on an image without any); userns, "
             "squashfuse_ll: Debian's squashfuse_ll, a FUSE round trip for each of those; userns, unpacked: the environment unpacked once into a local directory (unpack_dir, "
