@@ -11,9 +11,12 @@ conflicting 515 (`modular_sum([3, 1, 7, 5], 4, 6)` asked for True, then for Fals
 Rather than close every such channel, the verdict depends on none of them: where two cases ask one
 question (the same case but for the expected value: the solution's run sees nothing else of a case) for
 answers that exclude each other, and both pass, the solution answered by what ran before it, and every
-passing case of that question fails. An honest solution loses nothing: it passes at most the cases
-that want its one answer. (Splice mode runs every assertion in one process, ImpossibleBench's setting:
-carrying state there is what that mode measures, so it is not checked.)
+passing case of that question fails. A deterministic solution loses nothing: it passes at most the cases
+that want its one answer. Where this differs from the reference harnesses: a solution that answers at
+random and happens to match both of two unlike expected outputs of one input (a dataset without a
+checker for a problem with several right answers) passes there, not here. (Splice mode runs every
+assertion in one process, ImpossibleBench's setting: carrying state there is what that mode measures, so
+it is not checked.)
 """
 
 from __future__ import annotations
