@@ -132,3 +132,18 @@ def test_submit_s_other_languages_pass_one_input_for_one_answer(run_all_cases):
                                                           "run_result": {"stdout": next(answers)}})
     assert not result.accepted
     assert [t.passed for t in result.tests] == ([False, True, False] if run_all_cases else [False])
+
+
+def test_one_question_asked_many_times_for_one_answer_costs_one_look_each():
+    """A hostile dataset asking one question 50,000 times: pairs of its cases would be 10^9 comparisons."""
+    from image_builder.graders.one_answer import Question, one_answer_each
+    from image_builder.graders.results import CaseResult, CaseStatus
+
+    compared = []
+    cases = [CaseResult(str(i), CaseStatus.PASSED) for i in range(50_000)]
+    judged = one_answer_each([Question("f(1)", ("==", 2))] * len(cases), cases,
+                             lambda a, b: compared.append((a, b)) or a != b)
+    assert judged == cases and len(compared) == 0
+    judged = one_answer_each([Question("f(1)", ("==", 2))] * 49_999 + [Question("f(1)", ("==", 3))], cases,
+                             lambda a, b: compared.append((a, b)) or a != b)
+    assert len(compared) == 1 and all(c.status is CaseStatus.FAILED for c in judged)
