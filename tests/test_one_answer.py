@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from image_builder.graders import AssertTask, GradeOptions, grade
-from image_builder.graders.one_answer import assert_answers_exclude, assert_question
+from image_builder.graders.one_answer import Question, assert_answers_exclude, assert_question, one_answer_each
+from image_builder.graders.results import CaseResult, CaseStatus
+from image_builder.submit import evaluate, parse_submit
 from image_builder.tasks import StdioTask
 from tests.support.host_executor import HostExecutor
 
@@ -121,8 +123,6 @@ def test_submit_s_other_languages_pass_one_input_for_one_answer(run_all_cases):
     """/submit's runs of languages other than python (bash, cpp, nodejs) are judged in submit.py: the same
     rule. A stand-in for /run_code answers the same input A, then B, as a solution that reads the page cache
     would (tests/test_runtime_holes.py does that through the real runtime)."""
-    from image_builder.submit import evaluate, parse_submit
-
     answers = iter(["A", "C", "B"])
     tests = [{"input": {"stdin": s}, "output": {"stdout": o}} for s, o in (("1", "A"), ("2", "C"), ("1", "B"))]
     submission = parse_submit({"dataset": "code_contests", "id": 1, "completion": "```bash\ncat\n```",
@@ -136,9 +136,6 @@ def test_submit_s_other_languages_pass_one_input_for_one_answer(run_all_cases):
 
 def test_one_question_asked_many_times_for_one_answer_costs_one_look_each():
     """A hostile dataset asking one question 50,000 times: pairs of its cases would be 10^9 comparisons."""
-    from image_builder.graders.one_answer import Question, one_answer_each
-    from image_builder.graders.results import CaseResult, CaseStatus
-
     compared = []
     cases = [CaseResult(str(i), CaseStatus.PASSED) for i in range(50_000)]
     judged = one_answer_each([Question("f(1)", ("==", 2))] * len(cases), cases,
