@@ -55,7 +55,8 @@ class RepoReport:
     fail_to_pass: dict[str, str]  # test id -> PASSED/FAILED/ERROR/SKIPPED/XFAIL/MISSING/MISMATCH
     pass_to_pass: dict[str, str]
     resolved: bool
-    crosscheck: str  # "junit" (log and junit agree or the test fails), "log-only", "junit-missing"
+    crosscheck: str  # "junit" (log and junit agree or the test fails), "runner" (log and the runner's own
+    # output agree on a pass, runner_tee.py), "log-only", "junit-missing"
     mismatches: list[str] = field(default_factory=list)  # tests whose log and junit statuses differ
     # read-only/hidden: candidate changes to test infrastructure undone before the tests ran, as
     # "tests/conftest.py" (whole file) or "setup.cfg [tool:pytest]" (a pytest section)

@@ -34,12 +34,19 @@ Why the run's report cannot be forged by printing:
   a test whose two statuses differ, or a run without junit, fails (a test the
   summary does not name takes its status from the rest of the log, as
   SWE-bench's parser reads it, only where junit says the same).
-Code under test that patches pytest in-process, or rewrites the junit file at
-exit, can still forge a pass: in-process code can lie to in-process reporters.
-Runners other than pytest (sympy's bin/test, Django's runtests.py) write no
-junit: their statuses are read from the log between the markers alone
-(crosscheck "log-only"), so a test can print its way to a pass there, as in
-SWE-bench.
+- runners that write no junit (sympy's bin/test, Django's runtests.py, any
+  unittest TextTestRunner): the runner's own output is copied to a file by a
+  module every Python of the environment loads for the run (runner_tee.py); a
+  test the log reads as passed must read the same in that copy (crosscheck
+  "runner"), so a status line code under test prints counts for nothing (in
+  SWE-bench's harness it passes the test). Where no copy was made (another
+  runner, another interpreter) the log is read alone (crosscheck "log-only").
+  Measured: Django 4.2's runner on 3597 of its tests (utils, templates, forms,
+  admin_scripts, test_runner, i18n) and sympy 1.12's on core, polys and sets:
+  the copy reads every status as the whole log does (3440 and 3206 tests).
+Code under test that patches pytest in-process, or rewrites the junit file (or
+the copy) at exit, can still forge a pass: in-process code can lie to
+in-process reporters.
 
 The log is read by the repository's own SWE-bench parser (swebench_parsers.py):
 the catalog's `grader.log_parser`, else SWE-bench's map for the repository, else
@@ -62,6 +69,7 @@ import re
 import secrets
 import shlex
 from dataclasses import asdict, dataclass
+from importlib import resources
 
 from image_builder.runtime.execution import Executor, RunRequest, RunResult
 
@@ -286,14 +294,29 @@ _SCRIPT_TAIL = r"""J=$(mktemp -d)
 # test_orphaned_pyc_file) need __pycache__ where Python puts it; bytecode a patch brings is test
 # infrastructure (access.py): dropped in read-only and hidden modes, flagged in open mode.
 export PYTHONDONTWRITEBYTECODE=1
-echo ">>>>> $NONCE start"
+{tee_on}echo ">>>>> $NONCE start"
 {command} < /dev/null 3>&-
 rc=$?
 echo ">>>>> $NONCE end"
 note exit "$rc"
-if [ -s "$J/junit.xml" ]; then note junit "$(base64 -w0 "$J/junit.xml")"; else note junit none; fi
-rm -rf "$J" "$G"
+{notes}rm -rf "$J" "$G"
 """
+_JUNIT_NOTE = """if [ -s "$J/junit.xml" ]; then note junit "$(base64 -w0 "$J/junit.xml")"; else note junit none; fi
+"""
+# A runner without junit: its own output copied by runner_tee.py, loaded by every interpreter the
+# environment's python and python3 name (a .pth in their site-packages, taken out after the run).
+_TEE_ON = r"""TEED=()
+for py in python python3 {python}; do
+  s=$("$py" -I -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' 2>/dev/null) && [ -d "$s" ] || continue
+  cp "$G/runner_tee.py" "$s/_ib_runner_tee.py" && echo "import _ib_runner_tee" > "$s/_ib_runner_tee.pth" && TEED+=("$s")
+done
+export IMAGE_BUILDER_RUNNER_TEE="$J/runner.log"
+"""
+_TEE_NOTE = r"""unset IMAGE_BUILDER_RUNNER_TEE
+for s in ${TEED[@]+"${TEED[@]}"}; do rm -f "$s/_ib_runner_tee.py" "$s/_ib_runner_tee.pth"; done
+if [ -e "$J/runner.log" ]; then note runner "$(base64 -w0 < "$J/runner.log")"; else note runner none; fi
+"""
+RUNNER_TEE = resources.files(__package__).joinpath("runner_tee.py").read_text()
 
 
 def grade_repo(task: RepoTask, patch: str, executor: Executor, options: GradeOptions) -> GradeResult:
@@ -320,10 +343,11 @@ def grade_repo(task: RepoTask, patch: str, executor: Executor, options: GradeOpt
                         *(["-p", "no:cacheprovider"] if pytest and "no:cacheprovider" not in test_cmd else []),
                         *map(shlex.quote, directives_for(task.repo, test_files))])
     script = eval_script(task.base_commit, options.access, [*test_patch_paths, *reverted], command,
-                         infra=[f"{kind}:{p}" for kind, p in infra], python=options.python)
+                         infra=[f"{kind}:{p}" for kind, p in infra], python=options.python, junit=pytest)
     nonce = secrets.token_hex(16)
     files = {f"{GRADER_DIR}/eval.sh": script, f"{GRADER_DIR}/nonce": nonce, f"{GRADER_DIR}/model.patch": patch,
-             f"{GRADER_DIR}/test.patch": task.test_patch, f"{GRADER_DIR}/infra.py": INFRA_SCRIPT}
+             f"{GRADER_DIR}/test.patch": task.test_patch, f"{GRADER_DIR}/infra.py": INFRA_SCRIPT,
+             **({} if pytest else {f"{GRADER_DIR}/runner_tee.py": RUNNER_TEE})}
     result = executor.run(RunRequest(argv=("bash", f"{GRADER_DIR}/eval.sh"),
                                      files={k: v.encode() for k, v in files.items()}, env=dict(options.env),
                                      timeout=options.repo_timeout, memory_mb=options.repo_memory_mb,
@@ -436,8 +460,10 @@ def directives_for(repo: str, test_files: list[str]) -> list[str]:
 
 
 def eval_script(base_commit: str, access: TestAccess, reset_paths: list[str], command: str,
-                infra: list[str] = (), python: str = "python3") -> str:
-    """`infra`: the candidate's test-infrastructure paths as kind:path (see access.infrastructure_kind)."""
+                infra: list[str] = (), python: str = "python3", junit: bool = True) -> str:
+    """`infra`: the candidate's test-infrastructure paths as kind:path (see access.infrastructure_kind).
+    `junit`: the command writes $J/junit.xml (pytest); otherwise the runner's own output is copied
+    (runner_tee.py, from $G/runner_tee.py)."""
     steps = {
         TestAccess.OPEN: ["apply_tests", "snapshot_infra {infra}", "apply_candidate", "infra check {infra}"],
         TestAccess.READ_ONLY: ["snapshot_infra {infra}", "apply_tests", "apply_candidate", "infra restore {infra}",
@@ -451,7 +477,9 @@ def eval_script(base_commit: str, access: TestAccess, reset_paths: list[str], co
     infra_args = " ".join(shlex.quote(a) for a in dict.fromkeys(infra))
     head = _SCRIPT_HEAD.format(dir=GRADER_DIR, base=shlex.quote(base_commit), python=shlex.quote(python))
     body = "\n".join(step.format(paths=paths, infra=infra_args) for step in steps)
-    return head + body + "\n" + _SCRIPT_TAIL.format(command=command)
+    tail = _SCRIPT_TAIL.format(command=command, tee_on="" if junit else _TEE_ON.format(python=shlex.quote(python)),
+                               notes=_JUNIT_NOTE if junit else _TEE_NOTE)
+    return head + body + "\n" + tail
 
 
 @dataclass
@@ -509,8 +537,7 @@ def judge(task: RepoTask, run: Run, access: TestAccess, reverted: list[str], tes
     # pytest: the last short summary (what code under test prints before it cannot count); others: the whole log
     log_statuses = parser.read(pytest_summary(log) if pytest else log, spec)
     whole = parser.read(log, spec) if pytest else log_statuses  # the whole log, as SWE-bench reads it
-    statuses, crosscheck, mismatches, skipped = _crosscheck(task, log_statuses, whole, notes.get("junit"), pytest,
-                                                            parser)
+    statuses, crosscheck, mismatches, skipped = _crosscheck(task, log_statuses, whole, notes, pytest, parser, spec)
     if pytest:  # entries that name no test: as SWE-bench's parser reads them (see _names_a_test)
         for test in [t for t in statuses if not _names_a_test(t)]:
             statuses[test] = whole[test].value if test in whole else MISSING
@@ -571,7 +598,7 @@ def _names_a_test(test: str) -> bool:
 
 
 def _crosscheck(task: RepoTask, log_statuses: dict[str, TestStatus], whole: dict[str, TestStatus],
-                junit_note: str | None, pytest: bool, parser: LogParser,
+                notes: dict[str, str], pytest: bool, parser: LogParser, spec: object = None,
                 ) -> tuple[dict[str, str], str, list[str], set[str]]:
     """Statuses, how they were checked, the log/junit mismatches, and the tests junit says were skipped
     that the log (as SWE-bench reads it) does not name: those are MISSING, as SWE-bench has them.
@@ -579,8 +606,8 @@ def _crosscheck(task: RepoTask, log_statuses: dict[str, TestStatus], whole: dict
     name only where junit agrees (pytest -v's `id SKIPPED` lines, as parse_log_pytest_v2 reads them)."""
     tests = [*task.fail_to_pass, *task.pass_to_pass]
     if not pytest:
-        return {t: log_statuses[t].value if t in log_statuses else MISSING for t in tests}, "log-only", [], set()
-    junit = _junit(junit_note)
+        return _runner_crosscheck(tests, log_statuses, notes.get("runner"), parser, spec)
+    junit = _junit(notes.get("junit"))
     if junit is None:
         return {t: MISSING for t in tests}, "junit-missing", [], set()
     junit = {(cls, parser.junit_name(name)): status for (cls, name), status in junit.items()}
@@ -603,12 +630,44 @@ def _crosscheck(task: RepoTask, log_statuses: dict[str, TestStatus], whole: dict
     return statuses, "junit", mismatches, skipped
 
 
-def _junit(note: str | None) -> dict | None:
-    if not note or note == "none":
+def _runner_crosscheck(tests: list[str], log_statuses: dict[str, TestStatus], note: str | None, parser: LogParser,
+                       spec: object) -> tuple[dict[str, str], str, list[str], set[str]]:
+    """A runner without junit: each test as the log reads it, but a pass only where the runner's own output
+    (runner_tee.py's copy, read by the same parser) says the same; "log-only" where the run made no copy.
+    A failure stays the log's, so a run no one tampered with reads as SWE-bench reads it."""
+    log_only = {t: log_statuses[t].value if t in log_statuses else MISSING for t in tests}
+    copy = _decoded(note)
+    if copy is None:
+        return log_only, "log-only", [], set()
+    own = parser.read(copy, spec)
+    statuses, mismatches = {}, []
+    for test in tests:
+        said, from_runner = log_statuses.get(test), own.get(test)
+        if said is not None and said.value in _SUCCESS and from_runner is not said:
+            statuses[test] = MISMATCH
+            mismatches.append(f"{test}: log {said.value}, runner {from_runner.value if from_runner else MISSING}")
+        else:
+            statuses[test] = log_only[test]
+    return statuses, "runner", mismatches, set()
+
+
+def _decoded(note: str | None) -> str | None:
+    """A note's base64 text; None for none, or a note that is not base64."""
+    if note is None or note == "none":
         return None
     try:
-        return parse_junit(base64.b64decode(note, validate=True).decode("utf-8", "replace"))
+        return base64.b64decode(note, validate=True).decode("utf-8", "replace")
     except (ValueError, binascii.Error):
+        return None
+
+
+def _junit(note: str | None) -> dict | None:
+    text = _decoded(note)
+    if not text:
+        return None
+    try:
+        return parse_junit(text)
+    except ValueError:
         return None
 
 

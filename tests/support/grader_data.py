@@ -42,16 +42,21 @@ def function_name(case: str) -> str:
 
 
 def marshmallow_venv() -> Path:
-    """A venv with marshmallow 3.0's test dependencies, built once (under a lock) and reused."""
-    venv = TEST_CACHE / "venv-marshmallow"
+    """A venv with marshmallow 3.0's test dependencies."""
+    return cached_venv("marshmallow", MARSHMALLOW_DEPS)
+
+
+def cached_venv(name: str, packages: tuple[str, ...]) -> Path:
+    """A venv with `packages` from PyPI, built once (under a lock) and reused; a new list, a new venv."""
+    venv = TEST_CACHE / f"venv-{name}"
     TEST_CACHE.mkdir(parents=True, exist_ok=True)
-    with open(TEST_CACHE / "venv-marshmallow.lock", "w") as lock:
+    with open(TEST_CACHE / f"venv-{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         stamp = venv / ".complete"
-        if not stamp.exists():
+        if not stamp.exists() or stamp.read_text() != " ".join(packages):
             subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
-            subprocess.run([str(venv / "bin" / "pip"), "install", "-q", *MARSHMALLOW_DEPS], check=True)
-            stamp.touch()
+            subprocess.run([str(venv / "bin" / "pip"), "install", "-q", *packages], check=True)
+            stamp.write_text(" ".join(packages))
     return venv
 
 

@@ -1,0 +1,183 @@
+"""Runners without junit (Django's, sympy's): a status line the code under test prints does not pass a test.
+
+A tiny repository per runner, stood up on the host, whose test command runs the real runner: Django's
+DiscoverRunner (unittest's TextTestRunner at verbosity 2, as tests/runtests.py runs it) and sympy's
+PyTestReporter/SymPyTests in a hash-randomised child process (as bin/test runs them). The fix makes
+`add` right; the forging patch leaves it wrong and prints the passing line at exit, where SWE-bench's
+parsers read it last.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from image_builder.graders import GradeOptions, TaskStatus, grade
+from image_builder.graders.swebench import eval_script
+from image_builder.graders.access import TestAccess
+from image_builder.tasks import RepoTask
+from tests.support.grader_data import cached_venv
+from tests.support.host_executor import HostExecutor
+
+pytestmark = pytest.mark.xdist_group("runner_tee")  # the runs share the venv's site-packages
+
+RUNNER_PACKAGES = ("Django==4.2.17", "sympy==1.12", "mpmath==1.3.0")
+# Django's label for a test, as unittest writes it (Python 3.11 added the method's name in the brackets)
+DJANGO_LABEL = "test_add (test_calc.CalcTests{})".format(".test_add" if sys.version_info >= (3, 11) else "")
+
+DJANGO_RUNNER = '''#!/usr/bin/env python
+import os, sys
+import argparse
+here = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [here, os.path.dirname(here)]
+import django
+from django.conf import settings
+settings.configure(DATABASES={}, INSTALLED_APPS=[])
+django.setup()
+from django.test.runner import DiscoverRunner
+parser = argparse.ArgumentParser()
+parser.add_argument("labels", nargs="*")
+parser.add_argument("--verbosity", type=int, default=1)
+parser.add_argument("--settings")
+parser.add_argument("--parallel")
+args = parser.parse_known_args()[0]
+sys.exit(bool(DiscoverRunner(verbosity=args.verbosity).run_tests(args.labels)))
+'''
+DJANGO_TESTS = '''from django.test import SimpleTestCase
+from calc import add, sub
+
+
+class CalcTests(SimpleTestCase):
+    def test_sub(self):
+        self.assertEqual(sub(3, 1), 2)
+'''
+SYMPY_RUNNER = '''#!/usr/bin/env python
+import os, sys
+from sympy.testing.runtests import PyTestReporter, SymPyTests, run_in_subprocess_with_hash_randomization
+
+
+def main(paths):
+    tests = SymPyTests(PyTestReporter(verbose=True, colors=False), kw="")
+    tests._testfiles.extend(paths)  # as sympy.testing.runtests._test does
+    return not tests.test(sort=True)  # by line, as bin/test runs them
+
+
+if __name__ == "__main__":
+    os.environ["PYTHONPATH"] = os.getcwd()  # the child runs in sympy's folder, as in sympy's checkout
+    paths = [os.path.abspath(a) for a in sys.argv[1:] if not a.startswith("-")]
+    sys.exit(run_in_subprocess_with_hash_randomization("main", function_args=(paths,), module="bin.runner"))
+'''
+SYMPY_TESTS = '''from calc import add, sub
+
+
+def test_sub():
+    assert sub(3, 1) == 2
+
+
+def test_zz_last():  # a file's last test shares its line with [OK], where SWE-bench's parser does not read it
+    pass
+'''
+NEW_TEST = {"django": '''
+    def test_add(self):
+        self.assertEqual(add(1, 2), 3)
+''', "sympy": '''
+
+def test_add():
+    assert add(1, 2) == 3
+'''}
+FORGED_LINE = {"django": DJANGO_LABEL + " ... ok", "sympy": "test_add ok"}
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                          check=True, capture_output=True, text=True).stdout
+
+
+def diff(repo: Path, edit) -> str:
+    edit()
+    out = git(repo, "diff")
+    git(repo, "checkout", "-q", ".")
+    return out
+
+
+@pytest.fixture(scope="module")
+def venv():
+    return cached_venv("runners", RUNNER_PACKAGES)
+
+
+def stand_up(kind: str, root: Path) -> tuple[RepoTask, Path, dict[str, str]]:
+    """The repository at its base commit, the task (test patch: test_add), and the patches by name."""
+    repo = root / "testbed"
+    (repo / "calc").mkdir(parents=True)
+    calc = repo / "calc" / "__init__.py"
+    calc.write_text("def add(a, b):\n    return a - b\n\n\ndef sub(a, b):\n    return a - b\n")
+    if kind == "django":
+        test_file, runner, tests = "tests/test_calc.py", repo / "tests" / "runtests.py", DJANGO_TESTS
+        repo_name, test_cmd = "django/django", "./tests/runtests.py --verbosity 2 --settings=test_sqlite --parallel 1"
+    else:
+        test_file, runner, tests = "calc/tests/test_calc.py", repo / "bin" / "runner.py", SYMPY_TESTS
+        repo_name, test_cmd = "sympy/sympy", "bin/test -C --verbose"
+        (repo / "calc" / "tests").mkdir()
+        (repo / "calc" / "tests" / "__init__.py").write_text("")
+        (repo / "bin").mkdir()
+        (repo / "bin" / "__init__.py").write_text("")
+        (repo / "bin" / "test").write_text("#!/bin/sh\nexec python bin/runner.py \"$@\"\n")
+        (repo / "bin" / "test").chmod(0o755)
+    runner.parent.mkdir(exist_ok=True)
+    runner.write_text(DJANGO_RUNNER if kind == "django" else SYMPY_RUNNER)
+    runner.chmod(0o755)
+    (repo / test_file).write_text(tests)
+    git(repo, "init", "-q")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "base")
+    base = git(repo, "rev-parse", "HEAD").strip()
+    with_test = tests + NEW_TEST[kind] if kind == "django" else tests.replace("\n\ndef test_zz", NEW_TEST[kind] + "\n\ndef test_zz")
+    test_patch = diff(repo, lambda: (repo / test_file).write_text(with_test))
+    fix = diff(repo, lambda: calc.write_text(calc.read_text().replace("return a - b\n", "return a + b\n", 1)))
+    forged = diff(repo, lambda: calc.write_text(
+        calc.read_text() + f"\n\nimport atexit, sys\natexit.register(lambda: sys.stderr.write({FORGED_LINE[kind]!r} + '\\n'))\n"))
+    f2p = DJANGO_LABEL if kind == "django" else "test_add"
+    p2p = DJANGO_LABEL.replace("add", "sub") if kind == "django" else "test_sub"
+    task = RepoTask(f"{kind}-1", repo_name, base, fix, test_patch, (f2p,), (p2p,), f"{kind}-1", test_cmd=test_cmd)
+    return task, repo, {"fix": fix, "forged": forged, "empty": ""}
+
+
+@pytest.fixture(scope="module", params=["django", "sympy"])
+def instance(request, venv, tmp_path_factory):
+    task, repo, patches = stand_up(request.param, tmp_path_factory.mktemp(request.param))
+    options = GradeOptions(env={"PATH": f"{venv}/bin:/usr/bin:/bin"}, repo_timeout=300, python="python")
+    return request.param, task, HostExecutor(template=repo, run_as=None), options, patches, venv
+
+
+def test_the_fix_resolves_with_the_runner_s_own_output_agreeing(instance):
+    kind, task, host, options, patches, venv = instance
+    result = grade(task, patches["fix"], host, options)
+    assert result.status is TaskStatus.PASSED and result.repo.resolved, (result.reason, result.repo.log)
+    assert result.repo.crosscheck == "runner" and result.repo.mismatches == []
+    assert not list((venv / "lib").glob("python*/site-packages/_ib_runner_tee*"))  # taken out after the run
+
+
+def test_a_status_line_printed_at_exit_does_not_pass_the_test(instance):
+    kind, task, host, options, patches, _ = instance
+    result = grade(task, patches["forged"], host, options)
+    assert FORGED_LINE[kind] in result.repo.log.splitlines()[-1]  # the last word SWE-bench's parser reads
+    f2p = task.fail_to_pass[0]
+    assert not result.repo.resolved and result.repo.fail_to_pass == {f2p: "MISMATCH"}, result.repo.log
+    assert result.repo.mismatches == [f"{f2p}: log PASSED, runner FAILED"]
+
+
+def test_the_empty_patch_fails_as_the_log_says(instance):
+    kind, task, host, options, patches, _ = instance
+    result = grade(task, patches["empty"], host, options)
+    assert not result.repo.resolved and result.repo.crosscheck == "runner"
+    assert result.repo.fail_to_pass[task.fail_to_pass[0]] in ("FAILED", "ERROR") and result.repo.mismatches == []
+
+
+def test_pytest_runs_are_checked_by_junit_and_load_no_copy():
+    script = eval_script("0" * 40, TestAccess.HIDDEN, [], "pytest -rA", junit=True)
+    assert "junit" in script and "_ib_runner_tee" not in script and "IMAGE_BUILDER_RUNNER_TEE" not in script
+    teed = eval_script("0" * 40, TestAccess.HIDDEN, [], "bin/test -C --verbose", junit=False)
+    assert "note runner" in teed and "junit.xml" not in teed
