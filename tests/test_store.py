@@ -353,3 +353,16 @@ def test_two_catalogs_share_a_store_built_from_a_relative_path(tmp_path, tiny_ba
         assert r.returncode == 0, r.stderr
     assert run_cli("index", "merge", "--store", "store", cwd=tmp_path).returncode == 0
     assert sorted(read_index(tmp_path / "store").instances) == ["a-0", "a-1", "b-0", "b-1"]
+
+
+def test_a_store_another_user_cannot_read_is_one_line_not_a_traceback(tmp_path):
+    store = tmp_path / "private" / "store"
+    store.mkdir(parents=True)
+    (store / "index.json").write_text("{}")
+    (tmp_path / "private").chmod(0o700)
+    for args in (("run", "--store", str(store), "task-0", "--", "true"), ("ls", "--store", str(store))):
+        result = run_cli(*args, user=65534)
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+        assert result.stderr.strip().splitlines() == [
+            f"Error: {store}: cannot read its index.json (Permission denied); its owner can share it with "
+            f"`chmod -R a+rX {store}`"]

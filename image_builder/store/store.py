@@ -146,7 +146,12 @@ class Store:
     @classmethod
     def open(cls, path: Path | str) -> Store:
         store = cls(Path(path))
-        if not (store.root / INDEX_NAME).is_file():
+        try:
+            found = (store.root / INDEX_NAME).is_file()
+        except OSError as e:  # a store of another user's: not readable by this one
+            raise IndexError_(f"{store.root}: cannot read its {INDEX_NAME} ({e.strerror}); its owner can share it "
+                              f"with `chmod -R a+rX {store.root}`") from None
+        if not found:
             raise IndexError_(f"{store.root}: not a store (no {INDEX_NAME}); build one with "
                               f"image-builder build CATALOG --store {store.root}")
         return store
