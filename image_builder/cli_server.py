@@ -154,6 +154,7 @@ def serve(state: str) -> None:
     from image_builder.runtime.holder_session import new_token
     from image_builder.runtime.statedir import peer, private_dir, read_token
 
+    code = _code_files()
     state = private_dir(state)
     token = read_token(state) or new_token(state, None)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -189,6 +190,11 @@ def serve(state: str) -> None:
         except OSError:
             continue
         last = time.monotonic()
+        if _code_files(list(code)) != code:  # an upgrade, an edit of the checkout: never serve the old code
+            listener.close()  # the name free for a server of the new code, started here for the next client
+            conn.close()  # unanswered: this client runs its command itself
+            _start_server(state)
+            return
         with conn:
             pid, uid, _gid = peer(conn)
             try:  # its paths mean ours: the same mount namespace and root (not a chroot)
@@ -206,6 +212,22 @@ def serve(state: str) -> None:
                 finally:
                     os._exit(1)
             workers.add(child)
+
+
+def _code_files(paths: list[str] | None = None) -> dict[str, tuple[int, int]]:
+    """`paths` (default: the files of our modules this process has imported), as they are on disk now
+    (60 us a command)."""
+    if paths is None:
+        paths = [getattr(module, "__file__", None) for name, module in list(sys.modules.items())
+                 if name.split(".")[0] == "image_builder"]
+    found = {}
+    for path in filter(None, paths):
+        try:
+            st = os.stat(path)
+            found[path] = (st.st_mtime_ns, st.st_size)
+        except OSError:
+            found[path] = (0, -1)
+    return found
 
 
 def _work(conn) -> None:

@@ -6,6 +6,7 @@ Kernel as root, userns as uid 65534, through the installed console script on the
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +16,9 @@ from pathlib import Path
 import pytest
 
 from tests.test_runtime_client import CASES, EXE, NOBODY, as_user, cli, cli_env, user_dir, stop_holders_of
+
+# One worker for all: a test that changes a module's time on disk makes every server leave.
+pytestmark = pytest.mark.xdist_group("cli_server")
 
 THIN = "image_builder.runtime.backends"  # what the client imports only when it runs the command itself
 
@@ -33,18 +37,15 @@ def without_imports(stderr: str) -> str:
     return "".join(line + "\n" for line in stderr.splitlines() if not line.startswith("import time:"))
 
 
-def wait_for_server(xdg: Path, timeout: float = 30.0) -> None:
-    needle = f"{xdg}/image_builder".encode()
+def wait_for_server(xdg: Path, timeout: float = 60.0) -> None:
+    """Until the server of `xdg`'s state dir listens on its name (it binds it after its imports)."""
+    from image_builder.runtime.statedir import read_token
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"cli_server import serve" in cmdline and needle in cmdline:
-                time.sleep(1.0)  # it binds its name after its imports
-                return
+        token = read_token(xdg / "image_builder")  # its name: image-builder-cli-UID-TOKEN-CODE
+        if token and re.search(rf" @image-builder-cli-\d+-{token}-[0-9a-f]+$", Path("/proc/net/unix").read_text(),
+                               re.MULTILINE):
+            return
         time.sleep(0.1)
     raise AssertionError("no CLI server was started")
 
@@ -193,3 +194,21 @@ def test_a_client_in_another_mount_namespace_runs_its_command_itself(mbpp_store,
                         str(mbpp_store), "512", "--", "echo", "ok"], capture_output=True, text=True,
                        env=cli_env(server), cwd="/", timeout=300)
     assert (r.returncode, r.stdout) == (0, "ok\n") and THIN in r.stderr, r.stderr[-2000:]
+
+
+def test_a_server_whose_code_changed_on_disk_never_serves_it(mbpp_store, server):
+    """An upgrade or an edit of the checkout while a server is up: the next command runs the new code."""
+    import image_builder.cli_run as module
+    run = ("run", "--store", str(mbpp_store), "512", "--", "echo", "ok")
+    assert served(traced(*run, user=None, xdg=server))
+    path = Path(module.__file__)
+    before = path.stat()
+    try:
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000_000))
+        r = traced(*run, user=None, xdg=server)
+        assert (r.returncode, r.stdout) == (0, "ok\n") and not served(r), r.stderr[-2000:]
+        wait_for_server(server)  # the one the stale server started as it left: of the code as it is now
+        assert served(traced(*run, user=None, xdg=server))
+    finally:
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))  # a change again: that server leaves too
+    assert not served(traced(*run, user=None, xdg=server))
