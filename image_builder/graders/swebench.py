@@ -306,7 +306,7 @@ _JUNIT_NOTE = """if [ -s "$J/junit.xml" ]; then note junit "$(base64 -w0 "$J/jun
 # A runner without junit: its own output copied by runner_tee.py, loaded by every interpreter the
 # environment's python and python3 name (a .pth in their site-packages, taken out after the run).
 _TEE_ON = r"""TEED=()
-for py in python python3 {python}; do
+for py in {pythons}; do
   s=$("$py" -I -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' 2>/dev/null) && [ -d "$s" ] || continue
   cp "$G/runner_tee.py" "$s/_ib_runner_tee.py" && echo "import _ib_runner_tee" > "$s/_ib_runner_tee.pth" && TEED+=("$s")
 done
@@ -477,7 +477,8 @@ def eval_script(base_commit: str, access: TestAccess, reset_paths: list[str], co
     infra_args = " ".join(shlex.quote(a) for a in dict.fromkeys(infra))
     head = _SCRIPT_HEAD.format(dir=GRADER_DIR, base=shlex.quote(base_commit), python=shlex.quote(python))
     body = "\n".join(step.format(paths=paths, infra=infra_args) for step in steps)
-    tail = _SCRIPT_TAIL.format(command=command, tee_on="" if junit else _TEE_ON.format(python=shlex.quote(python)),
+    tail = _SCRIPT_TAIL.format(command=command, tee_on="" if junit else _TEE_ON.format(
+                                   pythons=" ".join(map(shlex.quote, dict.fromkeys(("python", "python3", python))))),
                                notes=_JUNIT_NOTE if junit else _TEE_NOTE)
     return head + body + "\n" + tail
 
