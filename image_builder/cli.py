@@ -44,6 +44,21 @@ def _make_options(ca_cert, plain_http, insecure_tls, jobs=4):
 @click.version_option(__version__, prog_name="image-builder")
 def main() -> None:
     """Rootless sandbox images for code-benchmark graders."""
+    _end_through_finally()
+
+
+def _end_through_finally() -> None:
+    """SIGTERM (kill, `timeout`, a scheduler's time limit) and SIGHUP end the command as Ctrl-C
+    does, through its cleanups, with the signal's status (128+N): a build's scripts are stopped
+    and its index written, its temporary files go. A signal the caller ignores (nohup) stays so."""
+    import signal
+
+    def leave(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) is signal.SIG_DFL:
+            signal.signal(signum, leave)
 
 
 @main.command()

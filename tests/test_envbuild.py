@@ -7,6 +7,7 @@ import json
 import os
 import pty
 import re
+import signal
 import subprocess
 import time
 import zipfile
@@ -183,6 +184,61 @@ def test_script_timeout_kills_everything(tmp_path, tiny_base, registries):
     time.sleep(0.2)
     left = subprocess.run(["pgrep", "-f", "sleep 9[78]"], capture_output=True, text=True).stdout
     assert left == "", "the timeout must kill double-forked children too"
+
+
+STOPS = [(None, "userns", signal.SIGTERM), (None, "userns", signal.SIGKILL), (65534, "userns", signal.SIGINT),
+         (65534, "proot", signal.SIGTERM), (65534, "proot", signal.SIGKILL)]
+
+
+@pytest.mark.parametrize("user,backend,how", STOPS, ids=[f"{u or 'root'}-{b}-{h.name}" for u, b, h in STOPS])
+def test_a_stopped_build_stops_its_scripts(public_dir, tiny_base, public_ca, user, backend, how):
+    """Ctrl-C, `kill`, a scheduler's time limit (SIGTERM) or SIGKILL while two scripts run: the builder
+    ends at once and no process of either script runs on (before: SIGTERM and SIGKILL left both running
+    and writing into the work tree, Ctrl-C waited for them to finish); short of SIGKILL, its temporary
+    files go, and what was built before stays."""
+    work = public_dir / f"stop-{user}-{backend}-{how.name}"
+    work.mkdir()
+    mark = f"{31 + STOPS.index((user, backend, how))}.5"  # each case's scripts sleep for a time of their own
+    scripts = {"ok.sh": "true\n", "slow.sh": f"#!/bin/sh\nsleep 10{mark} & sleep 20{mark}\necho late > /late\n"}
+    cat = write_catalog(work, [{"name": "ok", "base": tiny_base, "scripts": ["ok.sh"]},
+                               *({"name": f"slow{i}", "base": tiny_base, "scripts": ["slow.sh"],
+                                  "env": {"N": str(i)}} for i in (1, 2))], scripts)
+    for p in [work, *work.rglob("*")]:
+        p.chmod(0o1777 if p.is_dir() else 0o666)
+    (work / "tmp").mkdir(mode=0o777)
+    (work / "tmp").chmod(0o777)
+    store = work / "store"
+    args = ["--store", str(store), "--cache-dir", str(work / "cache"), "--ca-cert", str(public_ca),
+            "--backend", backend, "-j", "2"]
+    env = {**os.environ, "HOME": str(work), "XDG_CACHE_HOME": str(work / "xdg"), "TMPDIR": str(work / "tmp"),
+           "DOCKER_CONFIG": str(work / "no-docker-config")}
+    setpriv = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups"] if user else []
+    exe = [*setpriv, str(ROOT / ".venv/bin/image-builder"), "build", str(cat)]
+    first = subprocess.run([*exe, *args, "--only", "ok"], env=env, capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr
+    built = built_image(store, "ok").read_bytes()
+
+    def sleeping():
+        ps = subprocess.run(["pgrep", "-f", f"^sleep [12]0{mark}$"], capture_output=True, text=True).stdout
+        return ps.split()
+
+    builder = subprocess.Popen([*exe, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(sleeping()) < 4:  # both scripts, each with its own two sleeps
+        assert builder.poll() is None and time.monotonic() < deadline, builder.communicate()
+        time.sleep(0.1)
+    t0 = time.monotonic()
+    builder.send_signal(how)
+    out, err = builder.communicate(timeout=30)
+    assert time.monotonic() - t0 < 5, "the builder ended at once, not when its scripts would have"
+    assert builder.returncode == {signal.SIGTERM: 143, signal.SIGINT: 1, signal.SIGKILL: -9}[how], out + err
+    time.sleep(0.5)
+    assert sleeping() == [], "no process of a script outlives the build"
+    assert built_image(store, "ok").read_bytes() == built, "what was built before stays"
+    assert not list((store / "envs").glob("*slow*")), "nothing of the stopped builds is published"
+    if how != signal.SIGKILL:
+        assert list((work / "tmp").iterdir()) == [], "its temporary files go"
+        assert not [p for p in (store / "work").iterdir()], "its work trees go"
 
 
 def test_debug_opens_a_shell_in_the_failed_tree(tmp_path, tiny_base, registries):

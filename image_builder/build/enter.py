@@ -12,19 +12,25 @@
   replaces chroot, so the double-chroot breakout finds nothing to break out to. It is
   source for `python -S -E -c`, run by the base interpreter: it imports nothing of this
   package, which BUILD_UID may not be able to read.
+- `watch` (both): the sandbox dies with the builder, however the builder dies (SIGKILL,
+  the OOM killer, a node's scheduler): its first process asks the kernel for SIGTERM when
+  the builder goes and then kills its process group. Else a script ran on unwatched
+  (met: `kill` of a build left its script running and writing into the work tree).
+  A root build's `map` process is that first process; an unprivileged build's is `guard`.
 """
 
 from __future__ import annotations
 
 import os
-import sys
-
+import signal
 import stat
+import sys
 
 from image_builder.runtime.mounts import CLONE_NEWNS, CLONE_NEWUSER, MS_BIND, MS_NOEXEC, MS_NOSUID, MS_PRIVATE, \
     MS_REC, mount, prctl, unshare, write_file
 
 PR_SET_NO_NEW_PRIVS = 38
+PR_SET_PDEATHSIG = 1
 
 # argv: ROOT WORKDIR COMMAND...
 PIVOT = r"""
@@ -77,6 +83,55 @@ def _fuse_device_for(uid: int, scratch: str) -> None:
     mount(node, "/dev/fuse", None, MS_BIND)
 
 
+_child = 0  # this process's one child, once forked
+
+
+def _watch(builder: int) -> None:
+    """SIGTERM to us when `builder` ends (the kernel sends it when the thread that started us
+    ends: sandbox.run waits in that thread), and on it SIGKILL to our process group (sandbox.run
+    starts us as a session's leader; an interactive shell shares the builder's, so then to the
+    child alone). A userns sandbox's pid namespace then takes every process of it; proot's
+    tracees outlive proot's death, so the group matters there."""
+    def take_down(*_):
+        if os.getpgid(0) == os.getpid():
+            os.killpg(0, signal.SIGKILL)
+        if _child:
+            os.kill(_child, signal.SIGKILL)
+        os._exit(128 + signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, take_down)
+    prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != builder:  # it ended before we asked
+        take_down()
+
+
+def _fork_exec(argv: list[str], before_exec=None) -> int:
+    """Fork, run `before_exec` then exec argv in the child; the parent gets its pid."""
+    global _child
+    pid = os.fork()
+    if pid == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        try:
+            if before_exec:
+                before_exec()
+            os.execv(argv[0], argv)
+        except OSError as e:
+            _fail(f"cannot start {argv[0]}: {e}")
+    _child = pid
+    return pid
+
+
+def _exit_as(pid: int) -> None:
+    _, status = os.waitpid(pid, 0)
+    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
+
+
+def guard(args: list[str]) -> None:
+    """BUILDER COMMAND...: run COMMAND, taken down with the builder (see _watch)."""
+    _watch(int(args[0]))
+    _exit_as(_fork_exec(args[1:]))
+
+
 def map_and_exec(uid: int, binds: list[tuple[str, str]], fuse_scratch: str, argv: list[str]) -> None:
     try:
         unshare(CLONE_NEWNS)
@@ -89,8 +144,8 @@ def map_and_exec(uid: int, binds: list[tuple[str, str]], fuse_scratch: str, argv
         _fail(f"cannot show the build its files: {e}")
     parent_r, child_w = os.pipe()
     child_r, parent_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
+
+    def enter_userns():
         try:
             os.close(parent_r)
             os.close(parent_w)
@@ -102,9 +157,10 @@ def map_and_exec(uid: int, binds: list[tuple[str, str]], fuse_scratch: str, argv
             os.setresgid(0, 0, 0)
             os.setresuid(0, 0, 0)
             prctl(PR_SET_NO_NEW_PRIVS, 1)
-            os.execv(argv[0], argv)
         except OSError as e:
             _fail(f"cannot enter a user namespace: {e}")
+
+    pid = _fork_exec(argv, enter_userns)
     os.close(child_r)
     os.close(child_w)
     try:
@@ -118,13 +174,14 @@ def map_and_exec(uid: int, binds: list[tuple[str, str]], fuse_scratch: str, argv
         os.waitpid(pid, 0)
         _fail(f"cannot map root to uid {uid}: {e}")
     os.close(parent_w)
-    _, status = os.waitpid(pid, 0)
-    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
+    _exit_as(pid)
 
 
 def main(args: list[str]) -> None:
-    """UID FUSE_SCRATCH N SRC1 DEST1 ... SRCN DESTN COMMAND... (FUSE_SCRATCH: an empty
-    directory for BUILD_UID's /dev/fuse, or "" where the build mounts no image)"""
-    uid, fuse_scratch, n = int(args[0]), args[1], int(args[2])
-    pairs = args[3:3 + 2 * n]
-    map_and_exec(uid, list(zip(pairs[::2], pairs[1::2])), fuse_scratch, args[3 + 2 * n:])
+    """BUILDER UID FUSE_SCRATCH N SRC1 DEST1 ... SRCN DESTN COMMAND... (BUILDER: the builder's
+    pid; FUSE_SCRATCH: an empty directory for BUILD_UID's /dev/fuse, or "" where the build
+    mounts no image)"""
+    builder, uid, fuse_scratch, n = int(args[0]), int(args[1]), args[2], int(args[3])
+    _watch(builder)
+    pairs = args[4:4 + 2 * n]
+    map_and_exec(uid, list(zip(pairs[::2], pairs[1::2])), fuse_scratch, args[4 + 2 * n:])

@@ -24,6 +24,7 @@ they live on a tmpfs and never end up in the image.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import os
@@ -295,20 +296,28 @@ def _namespace_command(spec: SandboxSpec, argv: list[str], staging: Path) -> lis
     inner = [tool["unshare"], "--mount", "--pid", "--fork", "--kill-child", "--propagation", "private",
              "--", "/bin/sh", "-c", "\n".join(lines)]
     if os.geteuid() != 0:
-        return [tool["unshare"], "--user", "--map-root-user", *inner[1:]]
-    boot = (f"import sys; sys.path[:0] = [{str(Path(__file__).resolve().parents[2])!r}]; "
-            "from image_builder.build.enter import main; main(sys.argv[1:])")
+        return _entered("guard", str(os.getpid()), tool["unshare"], "--user", "--map-root-user", *inner[1:])
     pairs = [p for pair in host.binds for p in pair]
     fuse_scratch = ""
     if spec.overlay:  # squashfuse runs as BUILD_UID: enter.py gives it a /dev/fuse it can open
         fuse_scratch = str(staging / "fuse")
         os.mkdir(fuse_scratch, 0o700)
-    return [sys.executable, "-S", "-E", "-c", boot, str(BUILD_UID), fuse_scratch, str(len(host.binds)), *pairs,
-            *inner]
+    return _entered("main", str(os.getpid()), str(BUILD_UID), fuse_scratch, str(len(host.binds)), *pairs, *inner)
+
+
+def _entered(step: str, *args: str) -> list[str]:
+    """A step of enter.py with its arguments, run by this interpreter without site (-S) or the caller's
+    PYTHON* variables (-E)."""
+    boot = (f"import sys; sys.path[:0] = [{str(Path(__file__).resolve().parents[2])!r}]; "
+            f"from image_builder.build.enter import {step}; {step}(sys.argv[1:])")
+    return [sys.executable, "-S", "-E", "-c", boot, *args]
 
 
 def _proot_command(spec: SandboxSpec, argv: list[str], tmp: Path) -> list[str]:
-    cmd = ["proot", "-0", "-r", str(spec.root), "-b", "/dev", "-b", "/proc", "-b", "/sys",
+    proot = shutil.which("proot")
+    if not proot:
+        raise SandboxError("the proot backend needs proot on PATH; install it, or use --backend userns")
+    cmd = [proot, "-0", "-r", str(spec.root), "-b", "/dev", "-b", "/proc", "-b", "/sys",
            "-b", f"{tmp}:/tmp", "-w", spec.workdir]
     if spec.host_network_files and Path("/etc/resolv.conf").exists():
         cmd += ["-b", "/etc/resolv.conf"]
@@ -379,7 +388,7 @@ def run(spec: SandboxSpec, argv: list[str], *, backend: BuildBackend | None = No
                 scratch = staging / "tmp"
                 scratch.mkdir(mode=0o1777)
                 shutil.copytree(staging / "files", scratch / ".image-builder")
-                cmd = _proot_command(spec, argv, scratch)
+                cmd = _entered("guard", str(os.getpid()), *_proot_command(spec, argv, scratch))
             else:
                 cmd = _namespace_command(spec, argv, staging)
             env = clean_env(spec)
@@ -417,6 +426,46 @@ def _fuse_overlay(spec: SandboxSpec, staging: Path) -> list[Path]:
                            "is /dev/fuse usable by this user?") from e
 
 
+# The sandboxes this process runs (their process groups), for halted(); while halted, none starts.
+_running: set[int] = set()
+_running_lock = threading.Lock()
+_halting = False
+
+
+@contextlib.contextmanager
+def halted():
+    """Kill every sandbox this process runs and start none until the block ends: what a
+    builder does on Ctrl-C or SIGTERM while worker threads run scripts, the block being its
+    wait for those workers (without it the wait lasted as long as the slowest script)."""
+    global _halting
+    with _running_lock:
+        _halting = True
+        for pgid in _running:
+            _kill_group(pgid)
+    try:
+        yield
+    finally:
+        with _running_lock:
+            _halting = False
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+    with _running_lock:
+        if _halting:
+            raise SandboxError("the build is stopping; no new sandbox starts")
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        _running.add(proc.pid)
+        return proc
+
+
 def _supervise(cmd, env, timeout, log, echo, tail_lines, t0) -> Result:
     tail: deque[str] = deque(maxlen=tail_lines)
     around_error: list[str] = []
@@ -424,15 +473,11 @@ def _supervise(cmd, env, timeout, log, echo, tail_lines, t0) -> Result:
     timed_out = False
     log_file = open(log, "ab") if log else None
     try:
-        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = _start(cmd, env)
         deadline = t0 + timeout if timeout else None
 
         def kill(*_):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill_group(proc.pid)
 
         timer = threading.Timer(max(0.0, deadline - time.monotonic()), kill) if deadline else None
         if timer:
@@ -454,14 +499,17 @@ def _supervise(cmd, env, timeout, log, echo, tail_lines, t0) -> Result:
                     around_error = [*list(tail)[-LINES_BEFORE_ERROR:], text]
                     after = LINES_AFTER_ERROR
                 tail.append(text)
-            code = proc.wait()
         except BaseException:  # Ctrl-C: take the whole sandbox down with us
             kill()
-            proc.wait()
             raise
         finally:
             if timer:
                 timer.cancel()
+            # Out of _running before it is reaped: its pid, free after, may name another's group.
+            os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+            with _running_lock:
+                _running.discard(proc.pid)
+            code = proc.wait()
         timed_out = bool(deadline) and time.monotonic() >= deadline and code != 0
     finally:
         if log_file:

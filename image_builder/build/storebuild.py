@@ -37,6 +37,7 @@ from image_builder.store.store import StorePaths, remove_dead_work
 from .catalog import Catalog, EnvironmentSpec, InstanceSpec
 from .envbuild import BuildFailed, BuildOptions, EnvBuild, build_environment, plan_environment
 from .instances import InstanceBuild, build_instance
+from .sandbox import halted
 
 FRAGMENTS_DIR = "index.d"
 
@@ -264,17 +265,25 @@ def build_store(catalog: Catalog, opts: StoreBuildOptions, reporter: Reporter = 
             waiting = [e for e in items if isinstance(e, EnvironmentSpec) and e.parent in building]
             with ThreadPoolExecutor(max_workers=max(1, opts.jobs)) as pool:
                 pending: set[Future] = {pool.submit(work, item) for item in items if item not in waiting}
-                while pending:
-                    finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-                    for fut in finished:
-                        result = fut.result()
-                        summary.results.append(result)
-                        reporter.done(result)
-                        if result.status == "failed" and opts.fail_fast:
-                            stop = True
-                        for child in [c for c in waiting if c.parent == result.name]:
-                            waiting.remove(child)
-                            pending.add(pool.submit(work, child))
+                try:
+                    while pending:
+                        finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                        for fut in finished:
+                            result = fut.result()
+                            summary.results.append(result)
+                            reporter.done(result)
+                            if result.status == "failed" and opts.fail_fast:
+                                stop = True
+                            for child in [c for c in waiting if c.parent == result.name]:
+                                waiting.remove(child)
+                                pending.add(pool.submit(work, child))
+                except BaseException:  # Ctrl-C, SIGTERM: the running scripts end now, no item starts
+                    stop = True
+                    for fut in pending:
+                        fut.cancel()
+                    with halted():
+                        pool.shutdown(wait=True)
+                    raise
     finally:  # also on Ctrl-C: record what is finished
         summary.index = _update_index(store, catalog, opts, env_records, inst_records)
         summary.seconds = time.monotonic() - t0
