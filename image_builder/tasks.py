@@ -496,9 +496,10 @@ def _test_list(value: Any) -> tuple[str, ...]:
     return tuple(tests)
 
 
-def read_records(path: Path, max_line: int | None = None) -> list[tuple[str, Any]]:
+def read_records(path: Path | str, max_line: int | None = None) -> list[tuple[str, Any]]:
     """(fallback id, record) for each row of a .parquet or each line of a JSONL file (each line
     at most `max_line` bytes, default $IMAGE_BUILDER_MAX_LINE: read_lines)."""
+    path = Path(path)
     if path.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
@@ -532,7 +533,7 @@ def read_records(path: Path, max_line: int | None = None) -> list[tuple[str, Any
     return records
 
 
-def load_tasks_with_rows(path: Path, max_line: int | None = None) -> list[tuple[str, Task]]:
+def load_tasks_with_rows(path: Path | str, max_line: int | None = None) -> list[tuple[str, Task]]:
     """(where in the file: "line N" or "row N", task) for each record; an id that appears twice raises."""
     tasks = [(fallback, task_from_record(record, fallback)) for fallback, record in read_records(path, max_line)]
     seen: set[str] = set()
@@ -544,5 +545,5 @@ def load_tasks_with_rows(path: Path, max_line: int | None = None) -> list[tuple[
     return tasks
 
 
-def load_tasks(path: Path, max_line: int | None = None) -> list[Task]:
+def load_tasks(path: Path | str, max_line: int | None = None) -> list[Task]:
     return [task for _, task in load_tasks_with_rows(path, max_line)]

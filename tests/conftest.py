@@ -69,6 +69,10 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
+    if not hasattr(config, "workerinput"):  # the controller, once its workers have ended
+        for path in Path("/var/tmp").glob("ib-tests-run-*"):
+            if path == run_dir() or not _alive(*path.name.split("-")[3:5]):  # this run's, or a killed run's
+                remove_tree(path)
     lock = config.stash.get(_SESSION_LOCK, None)
     if lock is None:
         return
@@ -249,17 +253,37 @@ def debian_bullseye_base(registries) -> str:
     return _debian_image(registries, "bullseye")  # Python 3.9
 
 
-def built_once(name: str, tmp_path_factory, catalog: Path, bases: dict[str, str], registries: Registries) -> Path:
-    """`catalog` built for real into a store the run's xdist workers share: the first worker to ask builds
-    it, the other waits on the lock and finds it built (each worker built its own: 60 s more of a worker's
-    time for the marshmallow store, 46 s for the sandbox languages'). Tests only read it (a test that
-    changes a store copies it first)."""
+def _start_time(pid: int | str) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+
+
+def _alive(pid: str, start: str) -> bool:
+    try:
+        return _start_time(pid) == start
+    except (OSError, IndexError):
+        return False
+
+
+def run_dir() -> Path:
+    """A directory every user can read, shared by this run's xdist workers, removed when the run ends (by
+    pytest_unconfigure, or by the next run if this one is killed). Named by the controller's pid (an xdist
+    worker's parent) and start time: a later process with that pid names another."""
+    pid = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
+    path = Path("/var/tmp") / f"ib-tests-run-{pid}-{_start_time(pid)}"
+    path.mkdir(mode=0o755, exist_ok=True)
+    return path
+
+
+def built_once(name: str, catalog: Path, bases: dict[str, str], registries: Registries) -> Path:
+    """`catalog` built for real into a store the run's xdist workers share (run_dir: every user may read
+    it): the first worker to ask builds it, the other waits on the lock and finds it built (each worker
+    built its own: 60 s more of a worker's time for the marshmallow store, 46 s for the sandbox languages',
+    45 for MBPP's). Tests only read it (a test that changes a store copies it first)."""
     from image_builder.build.catalog import load
     from image_builder.build.envbuild import BuildOptions
     from image_builder.build.storebuild import StoreBuildOptions, build_store
-    basetemp = tmp_path_factory.getbasetemp()
-    work = (basetemp.parent if os.environ.get("PYTEST_XDIST_WORKER") else basetemp) / f"built-{name}"
-    work.mkdir(exist_ok=True)
+    work = run_dir() / f"built-{name}"
+    work.mkdir(mode=0o755, exist_ok=True)
     with open(work / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (work / "built").exists():
@@ -272,9 +296,9 @@ def built_once(name: str, tmp_path_factory, catalog: Path, bases: dict[str, str]
 
 
 @pytest.fixture(scope="session")
-def marshmallow_store(registries, debian_base, debian_bullseye_base, tmp_path_factory) -> Path:
+def marshmallow_store(registries, debian_base, debian_bullseye_base) -> Path:
     """index/swebench-marshmallow.yaml built for real: two environments, two instances."""
-    return built_once("marshmallow", tmp_path_factory, ROOT / "index/swebench-marshmallow.yaml",
+    return built_once("marshmallow", ROOT / "index/swebench-marshmallow.yaml",
                       {"bookworm-python": debian_base, "bullseye-python": debian_bullseye_base}, registries)
 
 
@@ -289,17 +313,9 @@ def public_store(marshmallow_store, public_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
-def mbpp_store(registries, debian_base, public_dir) -> Path:
+def mbpp_store(registries, debian_base) -> Path:
     """index/mbpp.yaml built for real: one Python environment, the 40 sample tasks as instances."""
-    from image_builder.build.catalog import load
-    from image_builder.build.envbuild import BuildOptions
-    from image_builder.build.storebuild import StoreBuildOptions, build_store
-    catalog = load(ROOT / "index/mbpp.yaml", bases={"python": debian_base})
-    build = BuildOptions(store=public_dir / "mbpp-store", cache=BlobCache(public_dir / "mbpp-cache"),
-                         registry=RegistryOptions(ca_cert=registries.tls.cert))
-    summary = build_store(catalog, StoreBuildOptions(build, jobs=2))
-    assert not summary.failed, [(f.message, f.tail) for f in summary.failed]
-    return public_dir / "mbpp-store"
+    return built_once("mbpp", ROOT / "index/mbpp.yaml", {"python": debian_base}, registries)
 
 
 @pytest.fixture

@@ -39,30 +39,6 @@ def solutions():
     return mbpp_solutions()
 
 
-@pytest.mark.parametrize("strict", [False, True])
-def test_every_reference_solution_scores_one(host, tasks, solutions, strict):
-    predictions = [Prediction(t.task_id, solutions[t.task_id]) for t in tasks]
-    results = grade_predictions(tasks, predictions, lambda task: host, GradeOptions(strict=strict), workers=2)
-    assert len(results) == 40
-    assert {r.task_id: (r.score, r.status) for r in results if r.score != 1.0} == {}
-    assert summarize(results).pass_rate == 1.0
-    assert {r.task_id: r.evidence for r in results if r.evidence} == {}  # no false alarm on honest code
-
-
-def test_every_impossible_variant_scores_below_one_and_qc_keeps_it(host, tasks, impossible, solutions, tmp_path):
-    """QC grades the reference on every variant (its "reference" check: failed, i.e. below one), the empty
-    solution, and the reference on the original."""
-    assert len(impossible) == 78
-    verdicts = quality_check_all([*impossible.values(), *tasks], solutions, lambda task: host, workers=2)
-    assert len(verdicts) == 78
-    assert [v for v in verdicts if not v.kept] == []
-    assert {tuple(sorted(v.checks.items())) for v in verdicts} == {
-        (("empty", "failed"), ("reference", "failed"), ("reference_on_original", "passed"))}
-    kept, dropped = write_qc(verdicts, tmp_path)
-    assert len(kept.read_text().splitlines()) == 78 and dropped.read_text() == ""
-    assert json.loads(kept.read_text().splitlines()[0])["kept"] is True
-
-
 def test_qc_drops_a_mutation_that_an_honest_answer_passes(host, tasks, solutions, tmp_path):
     original = next(t for t in tasks if t.task_id == "516")
     harmless = AssertTask("516__oneoff", original.cases, "516", impossible_type="oneoff")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from image_builder.graders import rewards
+from image_builder.graders import load_tasks, rewards
 from tests.conftest import ROOT, run_cli
 from tests.support.infra_attacks import ATTACKS
 
@@ -32,6 +32,7 @@ def test_mbpp_reference_solutions_pass_in_the_sandbox(mbpp_store, tmp_path, mode
     got = results(out)
     assert len(got) == 40 and all(x["status"] == "passed" and x["score"] == 1.0 for x in got.values()), \
         [x for x in got.values() if x["status"] != "passed"][:2]
+    assert {k: x["evidence"] for k, x in got.items() if x.get("evidence")} == {}, "no false alarm on honest code"
     assert "40 tasks: 40 passed (100.0%)" in r.stdout
 
 
@@ -74,11 +75,22 @@ def test_impossible_variants_fail_and_qc_keeps_them(mbpp_store, tmp_path):
     assert r.returncode == 0, r.stderr
     got = results(out)
     assert len(got) == 78 and all(x["score"] < 1.0 for x in got.values())
-    q = run_cli("qc", "--store", str(mbpp_store), "--tasks", str(DATA / "mbpp_train_40_impossible.jsonl"),
-                "--references", str(refs), "-o", str(tmp_path / "qc"))
+    # The mutations and their originals in one file: qc also checks the reference passes the original.
+    both = tmp_path / "with-originals.jsonl"
+    both.write_text((DATA / "mbpp_train_40_impossible.jsonl").read_text() + "".join(
+        json.dumps({"task_id": t.task_id, "assert_case": list(t.cases)}) + "\n"
+        for t in load_tasks(DATA / "mbpp_train_40.parquet")))
+    q = run_cli("qc", "--store", str(mbpp_store), "--tasks", str(both), "--references", str(refs),
+                "-o", str(tmp_path / "qc"))
     assert q.returncode == 0, q.stderr
     assert q.stdout.startswith("78 kept")
     assert (tmp_path / "qc/dropped.jsonl").read_text() == ""
+    # Each kept variant: the reference fails it (below one), the empty solution fails, the reference passes the
+    # original.
+    kept = [json.loads(line) for line in (tmp_path / "qc/kept.jsonl").read_text().splitlines()]
+    assert len(kept) == 78 and all(k["kept"] and not k["reasons"] for k in kept)
+    assert {tuple(sorted(k["checks"].items())) for k in kept} == {
+        (("empty", "failed"), ("reference", "failed"), ("reference_on_original", "passed"))}
     progress = [line for line in q.stderr.splitlines() if line.startswith("[")]
     assert len(progress) == 78 and progress[-1].startswith("[78/78] ") and progress[-1].endswith(": kept")
 

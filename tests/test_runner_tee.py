@@ -9,6 +9,7 @@ parsers read it last.
 
 from __future__ import annotations
 
+import difflib
 import subprocess
 import sys
 from pathlib import Path
@@ -181,3 +182,41 @@ def test_pytest_runs_are_checked_by_junit_and_load_no_copy():
     assert "junit" in script and "_ib_runner_tee" not in script and "IMAGE_BUILDER_RUNNER_TEE" not in script
     teed = eval_script("0" * 40, TestAccess.HIDDEN, [], "bin/test -C --verbose", junit=False)
     assert "note runner" in teed and "junit.xml" not in teed
+
+
+def test_a_status_line_printed_at_exit_does_not_pass_in_the_store_s_runtime(marshmallow_store):
+    """The same attack through the production path: a store's instance (marshmallow's, its environment's
+    own site-packages) in the real runtime, its tests run by unittest's runner (the record names a
+    repository SWE-bench has no parser for and a unittest command: the command's parser, unittest)."""
+    from image_builder.graders.grading import StoreExecutors
+    from image_builder.runtime.execution import RunRequest
+    from image_builder.store.store import Store
+    iid, init = "marshmallow-code__marshmallow-1359", "src/marshmallow/__init__.py"
+    with StoreExecutors(Store.open(marshmallow_store)) as executors:
+        executor = executors.for_instance(iid)
+        probe = executor.run(RunRequest(("sh", "-c", f"git rev-parse HEAD; python -c 'import sys; "
+                                         f"print(sys.version_info >= (3, 11))'; cat {init}")))
+        base, newer, source = probe.stdout.decode().split("\n", 2)
+        label = "test_fixed (tests.test_tee.TeeTests{})".format(".test_fixed" if newer == "True" else "")
+        test = ("import unittest\n\nimport marshmallow\n\n\nclass TeeTests(unittest.TestCase):\n"
+                "    def test_fixed(self):\n        self.assertTrue(getattr(marshmallow, 'FIXED', False))\n")
+        test_patch = "".join(difflib.unified_diff([], test.splitlines(True), "/dev/null", "b/tests/test_tee.py"))
+        test_patch = "diff --git a/tests/test_tee.py b/tests/test_tee.py\nnew file mode 100644\n" + test_patch
+
+        def patched(tail: str) -> str:
+            new = source + tail
+            return "".join(difflib.unified_diff(source.splitlines(True), new.splitlines(True), f"a/{init}",
+                                                f"b/{init}"))
+
+        fix = patched("\nFIXED = True\n")
+        forged = patched(f"\nimport atexit, sys\natexit.register(lambda: sys.stderr.write({label + ' ... ok'!r} "
+                         "+ '\\n'))\n")
+        task = RepoTask(iid, "example/unittest-tests", base, fix, test_patch, (label,), (), iid,
+                        test_cmd="python -m unittest -v")
+        results = {name: grade(task, patch, executor) for name, patch in
+                   (("fix", fix), ("forged", forged), ("empty", ""))}
+    fixed, faked, empty = results["fix"].repo, results["forged"].repo, results["empty"].repo
+    assert fixed.resolved and fixed.crosscheck == "runner" and fixed.mismatches == [], fixed.log[-2000:]
+    assert label + " ... ok" in faked.log.splitlines()[-1], faked.log[-2000:]
+    assert not faked.resolved and faked.fail_to_pass == {label: "MISMATCH"}, faked.log[-2000:]
+    assert not empty.resolved and empty.crosscheck == "runner" and empty.fail_to_pass[label] in ("FAILED", "ERROR")

@@ -559,7 +559,7 @@ def test_a_submit_the_server_cannot_evaluate_is_400_with_the_reason(open_server,
 @pytest.fixture(scope="module")
 def languages_server(registries, debian_base, tmp_path_factory):
     """index/sandbox.yaml built for real (g++, nodejs, bash from Debian's packages) and served."""
-    store = built_once("languages", tmp_path_factory, ROOT / "index/sandbox.yaml", {"debian": debian_base}, registries)
+    store = built_once("languages", ROOT / "index/sandbox.yaml", {"debian": debian_base}, registries)
     server = start(store, tmp_path_factory.mktemp("languages"), "--no-token")
     yield server
     server.stop()

@@ -233,7 +233,8 @@ def test_kill_9_mid_build_then_resume(tmp_path, tiny_base, registries):
     exe = str(ROOT / ".venv/bin/image-builder")
     proc = subprocess.Popen([exe, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not list((tmp_path / "store").glob("instances/*.sqfs")):
+    # An image counts as built once its record (written after it) is there.
+    while time.monotonic() < deadline and not list((tmp_path / "store").glob("instances/*.json")):
         time.sleep(0.1)
     proc.send_signal(signal.SIGKILL)
     proc.wait()

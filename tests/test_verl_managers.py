@@ -270,10 +270,11 @@ def test_batch_keeps_the_process_sessions_across_batches(store_env):
 def test_eight_threads_at_once_share_one_pool(store_env):
     """verl's reward loop runs a plain compute_score on the loop's thread pool: many rows at once, in one
     process. One StoreExecutors is made for them all (its creation is locked), and every score is right.
-    Unlocked, about one burst in five made two or more (each opening its own sessions): 30 bursts."""
+    Unlocked, about one burst in five made two or more (each opening its own sessions) until the
+    constructor was made to take 50 ms (_pools_made_during): now every burst does."""
     fn = custom_reward_fn("compute_score")
     batch = batch_of(26, 4)  # 8 rows, one a thread
-    for burst in range(30):
+    for burst in range(3):
         _drop_pool()
         results, pools = _pools_made_during(lambda: _all_at_once(fn, batch))
         assert [score for score, _ in results] == expected(batch), f"burst {burst}"
@@ -296,8 +297,8 @@ def _all_at_once(fn, batch) -> list[tuple[float, dict]]:
 
 
 def _pools_made_during(call) -> tuple[object, list[StoreExecutors]]:
-    """call()'s result and every StoreExecutors made while it ran (its constructor recorded), with
-    threads switching as often as they can: a creation that can race does. (A watcher thread
+    """call()'s result and every StoreExecutors made while it ran (its constructor recorded and made
+    slow), with threads switching as often as they can: a creation that can race does. (A watcher thread
     polling gc.get_objects() did this before: the list it took held a reference to a tuple another
     thread was still building, and CPython's tuple() then failed with SystemError.)"""
     made: list[StoreExecutors] = []
@@ -305,6 +306,7 @@ def _pools_made_during(call) -> tuple[object, list[StoreExecutors]]:
 
     def recording(self, *args, **kwargs):
         made.append(self)
+        time.sleep(0.05)  # the other threads reach the check meanwhile
         original(self, *args, **kwargs)
 
     interval = sys.getswitchinterval()
