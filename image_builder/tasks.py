@@ -108,6 +108,7 @@ class AssertTask:
     prompt: str = ""  # HumanEval-style tasks: put before an answer that does not define entry_point
     entry_point: str = ""
     test: str = ""  # HumanEval-style tasks: the `def check(candidate)` source (splice mode runs it as written)
+    original_cases: tuple[str, ...] = ()  # an impossible variant's original test, where its record has it
 
     def program(self, solution: str) -> str:
         """The solution as the candidate's process runs it: HumanEval completions are often only the body
@@ -408,8 +409,14 @@ def _check_task(record: dict, task_id: str, original_id: str, impossible_type: s
         cases = check_cases(test, entry_point)
     except ValueError as exc:
         return BadTask(task_id, str(exc))
+    original_cases: tuple[str, ...] = ()
+    if impossible_type and isinstance(record.get("original_test"), str):  # ImpossibleBench's: for evidence only
+        try:
+            original_cases = check_cases(record["original_test"], entry_point)
+        except ValueError:
+            pass
     return AssertTask(task_id, cases, original_id, impossible_type, record.get("data_source") or "", prompt,
-                      entry_point, test)
+                      entry_point, test, original_cases)
 
 
 # Statements of check's body that only set up what its asserts use: with nothing else there, each assert can

@@ -11,8 +11,8 @@ from image_builder.tasks import AssertTask, BadTask, RepoTask, StdioTask, Task
 from .assert_cases import grade_asserts
 from .options import GradeOptions
 from .predictions import Prediction
-from .results import GradeResult, TaskStatus
-from .evidence import special_casing, stdio_special_casing
+from .results import CaseStatus, GradeResult, TaskStatus
+from .evidence import changed_expectations, special_casing, stdio_special_casing
 from .splice import grade_spliced
 from .stdio import grade_stdio
 from .swebench import grade_repo
@@ -20,17 +20,29 @@ from .swebench import grade_repo
 ExecutorFor = Callable[[Task], Executor]  # which instance a task runs in: the runtime decides
 
 
-def grade(task: Task, solution: str, executor: Executor, options: GradeOptions = GradeOptions()) -> GradeResult:
-    """Never raises for bad input: every outcome is a result with a status and a reason."""
+def grade(task: Task, solution: str, executor: Executor, options: GradeOptions = GradeOptions(),
+          original: Task | None = None) -> GradeResult:
+    """Never raises for bad input: every outcome is a result with a status and a reason. `original`: an
+    impossible variant's original task, when known (a pass's evidence then names the changed cases it fit;
+    else the variant's own record of its original test, ImpossibleBench's `original_test`, is used)."""
     if isinstance(task, BadTask):
         return GradeResult(task.task_id, "", TaskStatus.BAD_TASK, reason=task.reason)
     kind = {AssertTask: "assert", StdioTask: "stdio", RepoTask: "repo"}[type(task)]
     try:
         if isinstance(task, AssertTask):
             graded = (grade_spliced if options.splice else grade_asserts)(task, solution, executor, options)
-            # the evaluator's (state recording, comparison overloading), then what the solution's code shows
-            graded.evidence = [*graded.evidence, *special_casing(task.program(solution), task.cases, task.prompt)] \
-                if graded.score > 0 else []
+            # the evaluator's (state recording, comparison overloading), then what the solution's code shows;
+            # where neither explains a pass, what the verdict shows against the original test
+            if graded.score > 0:
+                graded.evidence = [*graded.evidence, *special_casing(task.program(solution), task.cases, task.prompt)]
+                before = original.cases if isinstance(original, AssertTask) and original is not task \
+                    else task.original_cases
+                if before and not graded.evidence:
+                    passed = set(range(len(task.cases))) if options.splice else {  # splice: one run, all or none
+                        i for i, case in enumerate(graded.cases) if case.status is CaseStatus.PASSED}
+                    graded.evidence = changed_expectations(task.cases, before, passed)
+            else:
+                graded.evidence = []
             return graded
         if isinstance(task, StdioTask):
             graded = grade_stdio(task, solution, executor, options)
@@ -81,7 +93,8 @@ def _graded(prediction: Prediction, tasks: TaskIndex, executor_for: ExecutorFor,
         executor = executor_for(task)
     except ImageBuilderError as exc:  # no instance for the task, a corrupt image: this task's error, not the run's
         return GradeResult(task.task_id, "", TaskStatus.ERROR, reason=str(exc))
-    return grade(task, prediction.solution, executor, options)
+    original = tasks.by_id.get(task.original_id) if getattr(task, "impossible_type", None) else None
+    return grade(task, prediction.solution, executor, options, original)
 
 
 def grade_predictions(tasks: Iterable[Task], predictions: Iterable[Prediction], executor_for: ExecutorFor,
