@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -61,6 +64,36 @@ def test_wrong_solutions_score_zero_and_resume(mbpp_store, tmp_path):
                   "--overwrite")
     assert fresh.returncode == 0 and "resuming" not in fresh.stderr, fresh.stderr
     assert all(x["score"] == 1.0 for x in results(out).values()), "graded afresh from the new predictions"
+
+
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGTERM])
+def test_a_stopped_grade_stops_and_resumes(mbpp_store, tmp_path, how):
+    """Ctrl-C or SIGTERM (kill, a scheduler's time limit) ends `grade` once the tasks running finish (their
+    results recorded), starting no other, through its clean-ups (a SIGTERM killed it without them: status
+    -15). What finished is kept, whole lines only, and a rerun grades the rest."""
+    slow = tmp_path / "slow.jsonl"  # each case takes 0.5 s: a task 1.5, 40 of them 30 on two workers
+    slow.write_text("".join(json.dumps({"task_id": t.task_id, "solution": "import time\ntime.sleep(0.5)\n"})
+                            + "\n" for t in load_tasks(DATA / "mbpp_train_40.parquet")))
+    out = tmp_path / "results.jsonl"
+    args = ["grade", "--store", str(mbpp_store), "--tasks", str(DATA / "mbpp_train_40.parquet"), "--predictions",
+            str(slow), "-o", str(out), "-j", "2"]
+    proc = subprocess.Popen([str(ROOT / ".venv/bin/image-builder"), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (out.exists() and out.read_text().count("\n") >= 1):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    t0 = time.monotonic()
+    proc.send_signal(how)
+    _, err = proc.communicate(timeout=60)
+    assert time.monotonic() - t0 < 10, "it ended after the tasks running, not after the queued ones"
+    assert proc.returncode == (143 if how == signal.SIGTERM else 1), err
+    lines = out.read_text().splitlines(keepends=True)
+    assert 1 <= len(lines) < 20 and all(line.endswith("\n") and json.loads(line)["status"] == "failed"
+                                        for line in lines), lines
+    again = run_cli(*args)
+    assert again.returncode == 0 and f"resuming: {len(lines)} of 40 results" in again.stderr, again.stderr
+    assert len(results(out)) == 40 and out.read_text().count("\n") == 40
 
 
 def test_impossible_variants_fail_and_qc_keeps_them(mbpp_store, tmp_path):
