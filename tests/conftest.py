@@ -8,6 +8,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -334,6 +335,19 @@ def proxy(registries):
     p = FaultProxy(registries.open.url, registries.tls, direct=registries.open.url).start()
     yield p
     p.stop()
+
+
+def stop_when(proc: subprocess.Popen, ready, how: int, wait: float = 120) -> tuple[str, str, float]:
+    """Once `ready()` (within `wait` seconds, proc still running), send proc the signal `how`: its stdout,
+    stderr, and the seconds it took to end after the signal."""
+    deadline = time.monotonic() + wait
+    while not ready():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    t0 = time.monotonic()
+    proc.send_signal(how)
+    out, err = proc.communicate(timeout=60)
+    return out, err, time.monotonic() - t0
 
 
 def run_cli(*args: str, env: dict | None = None, user: int | None = None, check: bool = False,

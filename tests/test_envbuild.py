@@ -22,7 +22,7 @@ from image_builder.oci.cache import BlobCache
 from image_builder.oci.registry import RegistryOptions
 from image_builder.pack.sif import read_sif
 from image_builder.store.store import Store
-from tests.conftest import run_cli
+from tests.conftest import run_cli, stop_when
 from tests.support.terminal import read_pty
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -223,14 +223,8 @@ def test_a_stopped_build_stops_its_scripts(public_dir, tiny_base, public_ca, use
         return ps.split()
 
     builder = subprocess.Popen([*exe, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while len(sleeping()) < 4:  # both scripts, each with its own two sleeps
-        assert builder.poll() is None and time.monotonic() < deadline, builder.communicate()
-        time.sleep(0.1)
-    t0 = time.monotonic()
-    builder.send_signal(how)
-    out, err = builder.communicate(timeout=30)
-    assert time.monotonic() - t0 < 5, "the builder ended at once, not when its scripts would have"
+    out, err, took = stop_when(builder, lambda: len(sleeping()) == 4, how)  # both scripts, each with its two sleeps
+    assert took < 5, "the builder ended at once, not when its scripts would have"
     assert builder.returncode == {signal.SIGTERM: 143, signal.SIGINT: 1, signal.SIGKILL: -9}[how], out + err
     time.sleep(0.5)
     assert sleeping() == [], "no process of a script outlives the build"

@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from image_builder.graders import load_tasks, rewards
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, run_cli, stop_when
 from tests.support.infra_attacks import ATTACKS
 
 DATA = ROOT / "index/data"
@@ -79,14 +78,8 @@ def test_a_stopped_grade_stops_and_resumes(mbpp_store, tmp_path, how):
             str(slow), "-o", str(out), "-j", "2"]
     proc = subprocess.Popen([str(ROOT / ".venv/bin/image-builder"), *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not (out.exists() and out.read_text().count("\n") >= 1):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.1)
-    t0 = time.monotonic()
-    proc.send_signal(how)
-    _, err = proc.communicate(timeout=60)
-    assert time.monotonic() - t0 < 10, "it ended after the tasks running, not after the queued ones"
+    _, err, took = stop_when(proc, lambda: out.exists() and out.read_text().count("\n") >= 1, how)
+    assert took < 10, "it ended after the tasks running, not after the queued ones"
     assert proc.returncode == (143 if how == signal.SIGTERM else 1), err
     lines = out.read_text().splitlines(keepends=True)
     assert 1 <= len(lines) < 20 and all(line.endswith("\n") and json.loads(line)["status"] == "failed"
