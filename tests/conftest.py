@@ -72,7 +72,7 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     if not hasattr(config, "workerinput"):  # the controller, once its workers have ended
         for path in Path("/var/tmp").glob("ib-tests-run-*"):
-            if path == run_dir() or not _alive(*path.name.split("-")[3:5]):  # this run's, or a killed run's
+            if path == _run_dir_path() or not _alive(*path.name.split("-")[3:5]):  # this run's, or a killed run's
                 remove_tree(path)
     lock = config.stash.get(_SESSION_LOCK, None)
     if lock is None:
@@ -269,10 +269,14 @@ def run_dir() -> Path:
     """A directory every user can read, shared by this run's xdist workers, removed when the run ends (by
     pytest_unconfigure, or by the next run if this one is killed). Named by the controller's pid (an xdist
     worker's parent) and start time: a later process with that pid names another."""
-    pid = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
-    path = Path("/var/tmp") / f"ib-tests-run-{pid}-{_start_time(pid)}"
+    path = _run_dir_path()
     path.mkdir(mode=0o755, exist_ok=True)
     return path
+
+
+def _run_dir_path() -> Path:
+    pid = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
+    return Path("/var/tmp") / f"ib-tests-run-{pid}-{_start_time(pid)}"
 
 
 def built_once(name: str, catalog: Path, bases: dict[str, str], registries: Registries) -> Path:
