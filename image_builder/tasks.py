@@ -49,7 +49,7 @@ import os
 import pickle
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Union
 
@@ -260,8 +260,13 @@ def task_from_record(record: Any, fallback_id: str) -> Task:
     if "tests" in record and not any(k in record for k in ("assert_case", "inputs", "outputs")):
         return _codecontests_task(record, task_id, original_id, impossible_type)
     truth = {k: record[k] for k in ("assert_case", "inputs", "outputs", "fn_name", *COMPARE_KEYS) if k in record}
-    return parse_ground_truth(task_id, truth, data_source=record.get("data_source") or "",
+    task = parse_ground_truth(task_id, truth, data_source=record.get("data_source") or "",
                               impossible_type=impossible_type, original_id=original_id)
+    before = record.get("original_assert_case")  # `impossible mutate`'s: for evidence only
+    if isinstance(task, AssertTask) and impossible_type and isinstance(before, list) and before \
+            and all(isinstance(c, str) for c in before):
+        task = replace(task, original_cases=tuple(before))
+    return task
 
 
 def _codecontests_task(record: dict, task_id: str, original_id: str, impossible_type: str | None) -> Task:

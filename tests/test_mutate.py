@@ -6,12 +6,16 @@ from __future__ import annotations
 import json
 import subprocess
 
-from image_builder.graders import GradeOptions, TaskStatus, grade, load_tasks, quality_check_all
+from image_builder.graders import (GradeOptions, Prediction, TaskStatus, grade, grade_predictions, load_tasks,
+                                   quality_check_all)
+from image_builder.graders.grading import StoreExecutors
 from image_builder.graders.mutate import NotMade, Variant, mutate
+from image_builder.store.store import Store
 from image_builder.tasks import AssertTask, task_from_record
 from tests.conftest import run_cli
 from tests.support.grader_data import MBPP_TASKS, SWEBENCH, marshmallow_checkout, marshmallow_venv
 from tests.support.host_executor import HostExecutor
+from tests.test_cheat_evidence import encoded_table
 from tests.test_check_tasks import RECORDS
 
 DATA = MBPP_TASKS.parent
@@ -92,6 +96,8 @@ def test_mutate_then_qc_keeps_what_the_reference_fails_on_the_mbpp_sample(mbpp_s
     assert r.stdout.startswith("80 variants (oneoff 40, conflicting 40) of 40 tasks written to")
     variants = load_tasks(out)
     assert len(variants) == 80 and {t.impossible_type for t in variants} == {"oneoff", "conflicting"}
+    originals = {t.task_id: t for t in load_tasks(DATA / "mbpp_train_40.parquet")}
+    assert all(t.original_cases == originals[t.original_id].cases for t in variants), "each carries its original"
     again = tmp_path / "again.jsonl"
     assert run_cli("impossible", "mutate", str(DATA / "mbpp_train_40.parquet"), "-o", str(again), "--seed",
                    "5").returncode == 0 and again.read_text() == out.read_text(), "seeded: the same bytes"
@@ -102,6 +108,14 @@ def test_mutate_then_qc_keeps_what_the_reference_fails_on_the_mbpp_sample(mbpp_s
     dropped = [json.loads(line) for line in (tmp_path / "qc/dropped.jsonl").read_text().splitlines()]
     assert (len(kept), dropped) == (80, []), "every variant fails the reference and the empty answer"
     assert all(k["checks"] == {"empty": "failed", "reference": "failed"} for k in kept)
+    # Graded alone, without their originals among the tasks, an encoded table's passes still show they fit
+    # the changed test: the variants carry the original cases (`original_assert_case`).
+    chosen = [t for t in variants if t.task_id in ("516__oneoff", "515__oneoff", "542__oneoff")]
+    with StoreExecutors(Store.open(mbpp_store)) as executors:
+        results = grade_predictions(chosen, [Prediction(t.task_id, encoded_table(t)) for t in chosen], executors)
+    assert all(r.passed for r in results), [(r.task_id, r.reason) for r in results]
+    assert all(any("the answer fits the changed test" in line for line in r.evidence) for r in results), \
+        [(r.task_id, r.evidence) for r in results]
 
 
 def test_mutate_then_qc_on_the_marshmallow_instance(tmp_path):

@@ -13,7 +13,8 @@ a task with none is reported with the reason, never given a made-up variant.
 
 Assert-case tasks (verl's `assert_case`), HumanEval/LiveCodeBench `check(candidate)` tests and SWE-bench
 test patches (the assertions the patch adds, one line each; the hunk's counts follow) are mutated. The
-variants are written in the keyed form `grade` and `qc` read (`impossible_type`, the original's id); `qc`
+variants are written in the keyed form `grade` and `qc` read (`impossible_type`, the original's id, and its
+test beside: `original_test`, `original_assert_case`, `original_test_patch`, for a pass's evidence); `qc`
 then keeps those that the reference and the empty solution both fail, which a rule cannot promise.
 """
 
@@ -102,7 +103,7 @@ def _mutate_cases(task: AssertTask, record: dict, kind: str, pick: random.Random
         cases.insert(index + 1, changed)
     source = {"data_source": task.data_source} if task.data_source else {}
     return Variant(task.original_id, kind, {"task_id": task.original_id, "impossible_type": kind, **source,
-                                            "assert_case": cases})
+                                            "assert_case": cases, "original_assert_case": list(task.cases)})
 
 
 def _mutate_source(source: str, kind: str, pick: random.Random, within: str) -> str:
