@@ -373,7 +373,12 @@ def run(spec: SandboxSpec, argv: list[str], *, backend: BuildBackend | None = No
         raise SandboxError("proot cannot keep a root build off the host; use the userns backend (the default as root)")
     if not spec.overlay and not (spec.root / "bin" / "sh").exists() and not (spec.root / "bin").is_symlink():
         raise SandboxError(f"{spec.root}: no /bin/sh in the root filesystem; is it a Linux image?")
-    with tempfile.TemporaryDirectory(prefix="ib-sandbox-") as tmp:
+    # Staged beside the root, in the build's work tree: a builder killed outright (SIGKILL, OOM) leaves it
+    # there, where the next build sweeps dead builds' trees (store.remove_dead_work), not in /tmp for good.
+    # A root build's sandbox user must reach it (_HostPaths): in /tmp where the tree is not (under /root).
+    near = spec.root.parent
+    with tempfile.TemporaryDirectory(prefix="ib-sandbox-",
+                                     dir=near if os.geteuid() != 0 or _others_can_reach(near) else None) as tmp:
         staging = Path(tmp)
         # What the sandbox sees under /tmp/.image-builder: host CA bundle, apt.conf, staged files.
         _stage(staging / "files", spec, files or {})
@@ -400,6 +405,12 @@ def run(spec: SandboxSpec, argv: list[str], *, backend: BuildBackend | None = No
             for point in reversed(fuse_mounts):
                 subprocess.run(["fusermount3", "-u", "-z", str(point)], capture_output=True)
             _remove_created(spec.overlay.upper if spec.overlay else spec.root, staging)
+
+
+def _others_can_reach(path: Path) -> bool:
+    """Whether a user who owns none of path's folders may go through each (o+x all the way down)."""
+    path = path.resolve()
+    return all(os.stat(p).st_mode & stat.S_IXOTH for p in (path, *path.parents))
 
 
 def _fuse_overlay(spec: SandboxSpec, staging: Path) -> list[Path]:
