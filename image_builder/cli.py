@@ -583,7 +583,8 @@ def grade(store, tasks, predictions, output, shard, overwrite, jobs, timeout, me
                       lambda r: f"{r.task_id}: {r.status.value} (score {r.score:.2f})") as progress:
         options = replace(_grade_options(timeout, memory, strict, access), compare=compare, repo_network=net,
                           splice=splice)
-        grade_to_file(task_list, preds, executors, output, options=options, workers=jobs, on_result=progress)
+        grade_to_file(task_list, preds, executors, output, options=options, workers=jobs, on_result=progress,
+                      stop=executors.stop)
     wanted = {p.task_id for p in preds}
     graded = [r for r in read_results(output) if r.task_id in wanted]
     _print_grades(write_summary(graded, output), output)

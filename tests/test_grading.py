@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,24 @@ def test_a_stopped_grade_stops_and_resumes(mbpp_store, tmp_path, how):
     again = run_cli(*args)
     assert again.returncode == 0 and f"resuming: {len(lines)} of 40 results" in again.stderr, again.stderr
     assert len(results(out)) == 40 and out.read_text().count("\n") == 40
+
+
+def test_a_stopped_grade_cuts_its_long_runs_short(mbpp_store, tmp_path):
+    """Runs in flight when `grade` is stopped are cut short, not waited for (a SWE-bench test run takes
+    minutes; before, SIGTERM waited for all of them: here 50 s), and none of their results is written: a
+    rerun grades those tasks again."""
+    slow = tmp_path / "slow.jsonl"
+    slow.write_text("".join(json.dumps({"task_id": t.task_id, "solution": "import time\ntime.sleep(50)\n"})
+                            + "\n" for t in load_tasks(DATA / "mbpp_train_40.parquet")))
+    out = tmp_path / "results.jsonl"
+    proc = subprocess.Popen([str(ROOT / ".venv/bin/image-builder"), "grade", "--store", str(mbpp_store), "--tasks",
+                             str(DATA / "mbpp_train_40.parquet"), "--predictions", str(slow), "-o", str(out), "-j",
+                             "2", "--timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    started = time.monotonic()
+    _, err, took = stop_when(proc, lambda: time.monotonic() - started > 5, signal.SIGTERM)  # both runs under way
+    assert took < 5, "it cut the runs in flight short"
+    assert proc.returncode == 143, err
+    assert not out.exists() or out.read_text() == "", "no result of a run cut short"
 
 
 def test_impossible_variants_fail_and_qc_keeps_them(mbpp_store, tmp_path):

@@ -26,6 +26,7 @@ from pathlib import Path
 from image_builder.errors import ImageBuilderError
 from image_builder.runtime.backends import open_session
 from image_builder.runtime.execution import Executor, RunRequest, RunResult
+from image_builder.runtime.mounts import RunnerError
 from image_builder.runtime.session import Backend, InstanceLayers, Session
 from image_builder.runtime.warm import LAYERS_AT, WarmPool, WarmPools
 from image_builder.store.files import atomic_write
@@ -64,6 +65,7 @@ class StoreExecutors:
         # Warm interpreters (runtime/warm.py) by instance, least recently used first.
         self._warm: OrderedDict[tuple, WarmPools] = OrderedDict()
         self._lock = threading.Lock()
+        self._stopped = False
         self.peak_sessions = 0
 
     def __call__(self, task: Task) -> Executor:
@@ -87,6 +89,8 @@ class StoreExecutors:
 
     def _acquire(self, key: tuple, layers: InstanceLayers) -> Session:
         with self._lock:
+            if self._stopped:
+                raise RunnerError("grading was stopped")
             session = self._sessions.get(key)
             if session is None:
                 session = self._sessions[key] = open_session(layers, backend=self.backend)
@@ -116,6 +120,13 @@ class StoreExecutors:
         for gone in evicted:
             gone.close()
         return pools
+
+    def stop(self) -> None:
+        """Stop the runs in flight (their graders see RunnerError) and refuse new ones: for a caller that
+        is ending (Ctrl-C, SIGTERM) and drops the results graded from now on."""
+        with self._lock:
+            self._stopped = True
+        self.close()
 
     def close(self) -> None:
         with self._lock:
@@ -208,24 +219,36 @@ def discard_results(output: Path) -> None:
 
 def grade_to_file(tasks: Iterable[Task], predictions: list[Prediction], executor_for: Callable[[Task], Executor],
                   output: Path, *, options: GradeOptions = GradeOptions(), workers: int = 2,
-                  on_result: Callable[[GradeResult], None] = lambda r: None) -> int:
-    """Grade what `output` does not hold yet, appending each result as it finishes; returns how many ran."""
+                  on_result: Callable[[GradeResult], None] = lambda r: None,
+                  stop: Callable[[], None] = lambda: None) -> int:
+    """Grade what `output` does not hold yet, appending each result as it finishes; returns how many ran.
+    Stopped (Ctrl-C, SIGTERM: an exception here), it calls `stop` to cut the runs in flight short
+    (StoreExecutors.stop) and writes none of their results: a rerun grades those tasks again."""
     index = TaskIndex(tasks)
     done = resumable(output, predictions)
     todo = [p for p in predictions if p.task_id not in done]
     output.parent.mkdir(parents=True, exist_ok=True)
     _drop_partial_line(output)
     lock = threading.Lock()
+    stopping = threading.Event()
     with open(output, "a") as out, ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         def one(prediction: Prediction) -> None:
             result = grade_prediction(prediction, index, executor_for, options)
             with lock:
+                if stopping.is_set():  # its runs may have been cut short
+                    return
                 if result.artifacts:
                     write_artifacts(output, result)  # before the result line: a listed result has its files
                 out.write(json.dumps(result.to_dict()) + "\n")
                 out.flush()
                 on_result(result)
-        list(pool.map(one, todo))
+        try:
+            list(pool.map(one, todo))  # an exception here cancels the tasks not started
+        except BaseException:
+            with lock:
+                stopping.set()
+            stop()  # before the pool's exit waits for the tasks in flight
+            raise
     return len(todo)
 
 

@@ -231,6 +231,7 @@ class HolderSession(Session):
         self._ready: dict[bool, list[tuple[float, socket.socket]]] = {False: [], True: []}  # (received, init)
         self._asked = {False: 0, True: 0}
         self._busy = {False: 0, True: 0}
+        self._flying: set[socket.socket] = set()  # the control sockets of the runs in flight
         if first_init:
             with self._lock:
                 self._ask(False)  # the first init gets ready while the caller prepares its run
@@ -269,13 +270,16 @@ class HolderSession(Session):
                 self._receive(block=True)
             ctl = ready.pop(0)[1]
             self._busy[network] += 1
+            self._flying.add(ctl)
             while len(self._ready[network]) + self._asked[network] < self._busy[network]:
                 self._ask(network)  # a spare for each run in flight: its next one
             return ctl
 
-    def _done(self, network: bool) -> None:
+    def _done(self, network: bool, ctl: socket.socket) -> None:
         with self._lock:
             self._busy[network] -= 1
+            self._flying.discard(ctl)
+        ctl.close()
 
     def _send(self, msg: bytes, fds: list[int], network: bool) -> socket.socket:
         """Hand the job's message to a ready init (one killed meanwhile is passed over):
@@ -286,8 +290,7 @@ class HolderSession(Session):
                 send_fds(ctl, msg, fds)
                 return ctl
             except OSError:
-                ctl.close()
-                self._done(network)
+                self._done(network, ctl)
         raise RunnerError("no init took the run: they all died; see holder.log in the state dir")
 
     def run(self, request: RunRequest) -> RunResult:
@@ -310,8 +313,7 @@ class HolderSession(Session):
             wall = time.monotonic() - t0
         finally:
             if ctl is not None:
-                ctl.close()  # also how a Ctrl-C here stops the run: the init sees us go
-                self._done(request.network)
+                self._done(request.network, ctl)  # closed: also how a Ctrl-C here stops the run (the init sees us go)
             for fd in (out_r, err_r):
                 if fd is not None:
                     os.close(fd)
@@ -365,12 +367,19 @@ class HolderSession(Session):
         return run_joined(self._holder_pid, self._kernel, spec, job)
 
     def close(self) -> None:
+        """Also stops the runs in flight (their callers get RunnerError): each one's init sees its control
+        socket shut, as when its caller goes."""
         with self._lock:
             conn, self._conn = self._conn, None
             for ready in self._ready.values():
                 for _, ctl in ready:
                     ctl.close()
                 ready.clear()
+            for ctl in self._flying:
+                try:
+                    ctl.shutdown(socket.SHUT_RDWR)  # not closed: its run's thread still polls it
+                except OSError:
+                    pass
         if conn is not None:
             conn.close()  # the holder releases the layers (after the linger time)
 
