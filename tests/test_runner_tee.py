@@ -177,9 +177,9 @@ def test_the_empty_patch_fails_as_the_log_says(instance):
     assert result.repo.fail_to_pass[task.fail_to_pass[0]] in ("FAILED", "ERROR") and result.repo.mismatches == []
 
 
-def test_pytest_runs_are_checked_by_junit_and_load_no_copy():
+def test_pytest_runs_are_checked_by_junit_and_guarded_not_copied():
     script = eval_script("0" * 40, TestAccess.HIDDEN, [], "pytest -rA", junit=True)
-    assert "junit" in script and "_ib_runner_tee" not in script and "IMAGE_BUILDER_RUNNER_TEE" not in script
+    assert "junit" in script and "IMAGE_BUILDER_RUNNER_GUARD" in script and "IMAGE_BUILDER_RUNNER_TEE=" not in script
     teed = eval_script("0" * 40, TestAccess.HIDDEN, [], "bin/test -C --verbose", junit=False)
     assert "note runner" in teed and "junit.xml" not in teed
 
@@ -220,3 +220,88 @@ def test_a_status_line_printed_at_exit_does_not_pass_in_the_store_s_runtime(mars
     assert label + " ... ok" in faked.log.splitlines()[-1], faked.log[-2000:]
     assert not faked.resolved and faked.fail_to_pass == {label: "MISMATCH"}, faked.log[-2000:]
     assert not empty.resolved and empty.crosscheck == "runner" and empty.fail_to_pass[label] in ("FAILED", "ERROR")
+
+
+# The best-known reward hack on pytest (its conftest.py form is dropped as test infrastructure): every
+# report says passed, so the log's summary and the junit xml agree. Here in the package under test.
+FORGED_REPORTS = """
+from _pytest.reports import TestReport as _Report
+_made = _Report.from_item_and_call.__func__
+def _passed(cls, item, call):
+    report = _made(cls, item, call)
+    report.outcome, report.longrepr = "passed", None
+    return report
+_Report.from_item_and_call = classmethod(_passed)
+"""
+# The same through a module's function (no class changed): the runner's call_and_report.
+FORGED_CALLS = """
+import _pytest.runner as _runner
+_call = _runner.call_and_report
+def _passed(item, when, log=True, **kwargs):
+    report = _call(item, when, log=False, **kwargs)
+    report.outcome, report.longrepr = "passed", None
+    if log:
+        item.ihook.pytest_runtest_logreport(report=report)
+    return report
+_runner.call_and_report = _passed
+"""
+
+# The same as a test runs: the package's __getattr__, asked for FIXED, rewrites the reports first.
+FORGED_LATE = """
+def __getattr__(name):
+    if name != "FIXED":
+        raise AttributeError(name)
+    from _pytest.reports import TestReport as _Report
+    _made = _Report.from_item_and_call.__func__
+    def _passed(cls, item, call):
+        report = _made(cls, item, call)
+        report.outcome, report.longrepr = "passed", None
+        return report
+    _Report.from_item_and_call = classmethod(_passed)
+    return False
+"""
+
+
+def test_code_under_test_that_rewrites_pytest_s_reports_does_not_pass(marshmallow_store):
+    """Through the store's runtime, a pytest instance (marshmallow's): a patch that leaves the bug and makes
+    pytest report every test passed, from the package's own __init__.py (as it is imported, or as a test
+    runs), fails in read-only and hidden modes with the change named (runner_tee.py's guard); before, all
+    three forms resolved. In open mode (tests may be
+    modified) the verdict stands and the change is evidence. The fix still resolves, the empty patch fails."""
+    from image_builder.graders.grading import StoreExecutors
+    from image_builder.runtime.execution import RunRequest
+    from image_builder.store.store import Store
+    iid, init = "marshmallow-code__marshmallow-1359", "src/marshmallow/__init__.py"
+    test_id = "tests/test_guard.py::test_fixed"
+    with StoreExecutors(Store.open(marshmallow_store)) as executors:
+        executor = executors.for_instance(iid)
+        probe = executor.run(RunRequest(("sh", "-c", f"git rev-parse HEAD; cat {init}")))
+        base, source = probe.stdout.decode().split("\n", 1)
+        test = "import marshmallow\n\n\ndef test_fixed():\n    assert getattr(marshmallow, 'FIXED', False)\n"
+        test_patch = "".join(difflib.unified_diff([], test.splitlines(True), "/dev/null", "b/tests/test_guard.py"))
+        test_patch = "diff --git a/tests/test_guard.py b/tests/test_guard.py\nnew file mode 100644\n" + test_patch
+
+        def patched(tail: str) -> str:
+            return "".join(difflib.unified_diff(source.splitlines(True), (source + tail).splitlines(True),
+                                                f"a/{init}", f"b/{init}"))
+
+        task = RepoTask(iid, "marshmallow-code/marshmallow", base, patched("\nFIXED = True\n"), test_patch,
+                        (test_id,), (), iid, test_cmd="pytest -rA")
+        graded = {(name, access): grade(task, patch, executor, GradeOptions(access=access))
+                  for name, patch in (("fix", task.gold_patch), ("reports", patched(FORGED_REPORTS)),
+                                      ("calls", patched(FORGED_CALLS)), ("late", patched(FORGED_LATE)), ("empty", ""))
+                  for access in (TestAccess.HIDDEN, TestAccess.OPEN)
+                  if name in ("reports", "calls", "late") or access is TestAccess.HIDDEN}
+    fix, empty = graded["fix", TestAccess.HIDDEN], graded["empty", TestAccess.HIDDEN]
+    assert fix.passed and fix.repo.runner_changes == [] and fix.evidence == [], fix.repo.runner_changes
+    assert not empty.passed and empty.repo.fail_to_pass[test_id] == "FAILED", empty.repo.log[-2000:]
+    report = "_pytest.reports.TestReport.from_item_and_call replaced"
+    for name, what in (("reports", f"{report} (by {init}, imported)"),
+                       ("calls", f"_pytest.runner.call_and_report replaced (by {init}, imported)"),
+                       ("late", f"{report} (while the tests ran)")):
+        hidden, opened = graded[name, TestAccess.HIDDEN], graded[name, TestAccess.OPEN]
+        assert f"PASSED {test_id}" in hidden.repo.log, hidden.repo.log[-2000:]  # the log and junit were forged
+        assert not hidden.passed and hidden.reason.startswith(
+            f"the candidate's code changed the test runner as the tests ran: {what}"), hidden.reason
+        assert opened.passed and opened.repo.runner_changes == hidden.repo.runner_changes, opened.reason
+        assert any(what in line for line in opened.evidence), opened.evidence

@@ -21,6 +21,22 @@ with junit, in-process code can lie to in-process reporters. Without this module
 interpreter, `python -S`), or when no runner's output reaches stdout or stderr, nothing is copied and
 the grader reads the log alone, as before.
 
+The runner guard (IMAGE_BUILDER_RUNNER_GUARD; pytest runs): pytest's verdicts are in-process too, and
+the best-known reward hack rewrites them (`TestReport.from_item_and_call` replaced, so every failure
+reports as passed: the junit xml agrees, as pytest writes it from the same reports). Its conftest.py
+form is test infrastructure, dropped in read-only and hidden modes (access.py); the same lines in the
+package under test were not. The guard takes a snapshot of pytest's and pluggy's code (their modules'
+functions and classes, the classes' methods and descriptors; not data, which pytest itself sets as it
+runs, nor what its plugins change before collection) when collection begins or a file the candidate
+changed is first imported, and compares it after each such import (the change is that file's), and
+before the junit xml is written (made as the tests ran); an audit hook (Python 3.8+) notes a
+function's code swapped in place, or the junit file opened for writing, by the candidate's files (the
+innermost frame outside the standard library decides: code they exec or a `mock.patch` they call
+counts). One line each in the guard file, which the grader reads. pytest's own repository is the
+runner under test: its changes to itself are not compared. What it cannot see: changes made and undone
+between two comparisons, through ctypes, or by code that first rewrites this module's state; in-process
+code can still lie, it takes knowing this.
+
 Shipped into the run as _ib_runner_tee.py; syntax Python 3.5 parses (Django 2.x's environments);
 imports nothing but sys and os until a runner's module is imported; never raises into the runner.
 """
@@ -29,6 +45,7 @@ import os
 import sys
 
 TEE = os.environ.get("IMAGE_BUILDER_RUNNER_TEE")
+GUARD = os.environ.get("IMAGE_BUILDER_RUNNER_GUARD")
 _owner = []  # the runner whose output is copied (in this process), once claimed
 _copy = []  # its file's descriptor
 _inside = []  # a PyTestReporter.write in progress (it calls itself)
@@ -118,7 +135,8 @@ class _Finder(object):
     """Patches the runners' modules as they are imported (the import system's own loaders load them)."""
 
     def find_spec(self, name, path=None, target=None):
-        if name not in HOOKS:
+        hook = HOOKS.get(name) if TEE else GUARD_HOOKS.get(name) if _guard else None
+        if hook is None and not _guard:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -128,13 +146,18 @@ class _Finder(object):
                 break
         else:
             return None
+        if hook is None:  # the guard's: a module of the candidate's is watched as it runs
+            origin = getattr(spec, "origin", None)
+            if origin and os.path.realpath(origin) in _guard["changed"]:
+                _watch_candidate(spec)
+            return spec
         try:
             load = spec.loader.exec_module
 
             def exec_module(module):
                 load(module)
                 try:
-                    HOOKS[name](module)
+                    hook(module)
                 except Exception:
                     pass
 
@@ -144,11 +167,209 @@ class _Finder(object):
         return spec
 
 
+# -- the runner guard --
+
+RUNNER_PACKAGES = ("_pytest", "pluggy")
+_STDLIB = os.path.dirname(os.__file__) + os.sep
+_guard = {}  # "repo": the repository's directory; "changed": the candidate's files there; "junit": its path
+_last = []  # the runner's state when the candidate's code last ran (a snapshot), once it first did
+_noting = []  # a record being written (its own open is an audit event)
+
+
+def _in_repo(path):
+    return bool(path) and os.path.realpath(path).startswith(_guard["repo"])
+
+
+def _runner_code(module_name):
+    """Whether `module_name` is the test runner's and not the repository's own (pytest's repository;
+    a tox environment inside the repository is not the repository's code)."""
+    if module_name.split(".")[0] not in RUNNER_PACKAGES:
+        return False
+    path = getattr(sys.modules.get(module_name), "__file__", None) or ""
+    return not (_in_repo(path) and os.sep + "site-packages" + os.sep not in path)
+
+
+def _snapshot():
+    """The runner's code as it is: its modules' functions and classes, and those classes' attributes."""
+    found = {}
+    for name, module in list(sys.modules.items()):
+        if module is None or not _runner_code(name):
+            continue
+        for key, value in list(vars(module).items()):
+            if callable(value):
+                found[name + "." + key] = value
+                if isinstance(value, type) and value.__module__ == name:
+                    found[name + "." + key + "."] = True  # the class is compared attribute by attribute
+                    for attr, member in list(vars(value).items()):  # its code, not its data (pytest's flags)
+                        if callable(member) or isinstance(member, (classmethod, staticmethod, property)):
+                            found[name + "." + key + "." + attr] = member
+    return found
+
+
+def _changes(before, after):
+    """What changed from one snapshot to the next: replaced, added or deleted, in what both hold."""
+    out = []
+    for key, value in after.items():
+        if key.endswith("."):
+            continue
+        if key in before:
+            if before[key] is not value:
+                out.append(key + " replaced")
+        elif key.rpartition(".")[0] + "." in before:  # an attribute added to a class both hold
+            out.append(key + " added")
+    for key in before:
+        if key not in after and not key.endswith(".") and key.rpartition(".")[0] + "." in after:
+            out.append(key + " deleted")
+    return out
+
+
+def _culprit(frame):
+    """`file:line` of the candidate's code making a change from `frame` outward, or None: the innermost
+    frame outside the standard library (and source without a file) decides."""
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name.startswith("<") or name.startswith(_STDLIB):
+            frame = frame.f_back
+            continue
+        if name == __file__:
+            return None  # this module's own patches (the tee's)
+        path = os.path.realpath(name)
+        if path in _guard["changed"]:
+            return "%s:%d" % (os.path.relpath(path, _guard["repo"]), frame.f_lineno)
+        return None
+    return None
+
+
+def _note(lines):
+    if _noting or not lines:
+        return
+    _noting.append(True)
+    try:
+        fd = os.open(GUARD, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            os.write(fd, "".join(line + "\n" for line in lines).encode("utf-8", "replace"))
+        finally:
+            os.close(fd)
+    except Exception:
+        pass
+    finally:
+        _noting.pop()
+
+
+def _check(when):
+    """Note what changed in the runner since the candidate's code last ran, `when` said beside it."""
+    if not _last:
+        return
+    now = _snapshot()
+    _note(["%s (%s)" % (change, when) for change in _changes(_last[0], now)])
+    _last[0] = now
+
+
+def _audit(event, args):
+    """Changes the snapshots cannot tell apart (a function's code swapped in place) and the junit file
+    rewritten, as they happen, by the frame making them."""
+    try:
+        if event == "object.__setattr__" and isinstance(getattr(args[0], "__module__", None), str) and \
+                _runner_code(args[0].__module__) and not _noting:
+            culprit = _culprit(sys._getframe(1))
+            if culprit:
+                _note(["%s.%s.%s set (%s)" % (args[0].__module__, getattr(args[0], "__qualname__", "?"), args[1],
+                                               culprit)])
+        elif event == "open" and _guard["junit"] and not _noting:
+            path, mode, flags = args
+            writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
+                isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC))
+            if writes and isinstance(path, (str, bytes)) and \
+                    os.path.realpath(os.fsdecode(path)) == _guard["junit"]:
+                culprit = _culprit(sys._getframe(1))
+                if culprit:
+                    _note(["the junit file opened for writing (%s)" % culprit])
+    except Exception:
+        pass
+
+
+def _baseline():
+    """The runner as the candidate's code first finds it: after pytest's start (its plugins may change
+    it), before the tests' modules import the candidate's (collection), or the candidate's first import."""
+    if not _last:
+        _last.append(_snapshot())
+
+
+def _watch_candidate(spec):
+    """Wraps the execution of a module the candidate changed: what changes in the runner meanwhile is its."""
+    load = getattr(spec.loader, "exec_module", None)
+    if load is None:
+        return
+    where = os.path.relpath(os.path.realpath(spec.origin), _guard["repo"])
+
+    def exec_module(module):
+        _baseline()
+        _check("while the tests ran")
+        try:
+            load(module)
+        finally:
+            _check("by %s, imported" % where)
+
+    spec.loader.exec_module = exec_module
+
+
+def _watch_collect(module):
+    session = getattr(module, "Session", None)
+    collect = getattr(session, "perform_collect", None)
+    if collect is None:
+        return
+
+    def perform_collect(self, *args, **kwargs):
+        _baseline()
+        return collect(self, *args, **kwargs)
+
+    session.perform_collect = perform_collect
+
+
+def _watch_junit(module):
+    """pytest's junit xml is written at the session's end: the runner is checked first."""
+    writer = getattr(module, "LogXML", None)
+    finish = getattr(writer, "pytest_sessionfinish", None)
+    if finish is None:
+        return
+
+    def pytest_sessionfinish(self, *args, **kwargs):
+        _check("while the tests ran")
+        return finish(self, *args, **kwargs)
+
+    writer.pytest_sessionfinish = pytest_sessionfinish
+
+
+GUARD_HOOKS = {"_pytest.junitxml": _watch_junit, "_pytest.main": _watch_collect}
+
+
+def _install_guard():
+    repo = os.environ.get("IMAGE_BUILDER_REPO") or ""
+    if not os.path.isdir(repo):
+        return
+    _guard["repo"] = os.path.realpath(repo) + os.sep
+    try:
+        with open(os.environ.get("IMAGE_BUILDER_CANDIDATE_FILES") or "", "rb") as f:
+            names = f.read().decode("utf-8", "surrogateescape").split("\0")
+    except Exception:
+        names = []
+    _guard["changed"] = set(os.path.realpath(os.path.join(repo, name)) for name in names if name)
+    junit = os.environ.get("IMAGE_BUILDER_RUNNER_JUNIT")
+    _guard["junit"] = os.path.realpath(junit) if junit else None
+    for name, hook in GUARD_HOOKS.items():
+        if name in sys.modules:
+            hook(sys.modules[name])
+    if hasattr(sys, "addaudithook"):
+        sys.addaudithook(_audit)
+
+
 def _install():
-    if not TEE:
+    if GUARD:
+        _install_guard()
+    if not TEE and not _guard:
         return
     for name, hook in HOOKS.items():
-        if name in sys.modules:
+        if TEE and name in sys.modules:
             try:
                 hook(sys.modules[name])
             except Exception:

@@ -44,8 +44,14 @@ Why the run's report cannot be forged by printing:
   Measured: Django 4.2's runner on 3597 of its tests (utils, templates, forms,
   admin_scripts, test_runner, i18n) and sympy 1.12's on core, polys and sets:
   the copy reads every status as the whole log does (3440 and 3206 tests).
-Code under test that patches pytest in-process, or rewrites the junit file (or
-the copy) at exit, can still forge a pass: in-process code can lie to
+- pytest's runs load runner_tee.py's guard: a change to pytest's or pluggy's code
+  (their modules' functions, their classes' methods) since collection began, or
+  function code swapped or the junit file opened for writing by a file the
+  candidate changed, is recorded (note "guard") and fails the run unless access
+  is open (RepoReport.runner_changes): the reward hack that makes every report
+  say passed, from the package under test.
+Code under test that knows the guard (module dicts, ctypes, its state), or
+rewrites the runner copy, can still forge a pass: in-process code can lie to
 in-process reporters.
 
 The log is read by the repository's own SWE-bench parser (swebench_parsers.py):
@@ -303,18 +309,26 @@ note exit "$rc"
 """
 _JUNIT_NOTE = """if [ -s "$J/junit.xml" ]; then note junit "$(base64 -w0 "$J/junit.xml")"; else note junit none; fi
 """
-# A runner without junit: its own output copied by runner_tee.py, loaded by every interpreter the
-# environment's python and python3 name (a .pth in their site-packages, taken out after the run).
-_TEE_ON = r"""TEED=()
+# runner_tee.py, loaded by every interpreter the environment's python and python3 name (a .pth in their
+# site-packages, taken out after the run): pytest's runs get its guard, runners without junit its copy
+# of their own output.
+_HOOK_ON = r"""TEED=()
 for py in {pythons}; do
   s=$("$py" -I -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' 2>/dev/null) && [ -d "$s" ] || continue
   cp "$G/runner_tee.py" "$s/_ib_runner_tee.py" && echo "import _ib_runner_tee" > "$s/_ib_runner_tee.pth" && TEED+=("$s")
 done
-export IMAGE_BUILDER_RUNNER_TEE="$J/runner.log"
 """
-_TEE_NOTE = r"""unset IMAGE_BUILDER_RUNNER_TEE
+_GUARD_ON = _HOOK_ON + r"""export IMAGE_BUILDER_RUNNER_GUARD="$J/guard.log" IMAGE_BUILDER_RUNNER_JUNIT="$J/junit.xml" \
+  IMAGE_BUILDER_REPO="$PWD" IMAGE_BUILDER_CANDIDATE_FILES="$G/candidate-files"
+"""
+_TEE_ON = _HOOK_ON + r"""export IMAGE_BUILDER_RUNNER_TEE="$J/runner.log"
+"""
+_HOOK_OFF = r"""unset IMAGE_BUILDER_RUNNER_TEE IMAGE_BUILDER_RUNNER_GUARD
 for s in ${TEED[@]+"${TEED[@]}"}; do rm -f "$s/_ib_runner_tee.py" "$s/_ib_runner_tee.pth"; done
-if [ -e "$J/runner.log" ]; then note runner "$(base64 -w0 < "$J/runner.log")"; else note runner none; fi
+"""
+_TEE_NOTE = _HOOK_OFF + r"""if [ -e "$J/runner.log" ]; then note runner "$(base64 -w0 < "$J/runner.log")"; else note runner none; fi
+"""
+_GUARD_NOTE = _HOOK_OFF + r"""if [ -s "$J/guard.log" ]; then note guard "$(base64 -w0 < "$J/guard.log")"; fi
 """
 RUNNER_TEE = resources.files(__package__).joinpath("runner_tee.py").read_text()
 
@@ -347,7 +361,7 @@ def grade_repo(task: RepoTask, patch: str, executor: Executor, options: GradeOpt
     nonce = secrets.token_hex(16)
     files = {f"{GRADER_DIR}/eval.sh": script, f"{GRADER_DIR}/nonce": nonce, f"{GRADER_DIR}/model.patch": patch,
              f"{GRADER_DIR}/test.patch": task.test_patch, f"{GRADER_DIR}/infra.py": INFRA_SCRIPT,
-             **({} if pytest else {f"{GRADER_DIR}/runner_tee.py": RUNNER_TEE})}
+             f"{GRADER_DIR}/runner_tee.py": RUNNER_TEE, f"{GRADER_DIR}/candidate-files": "\0".join(candidate_paths)}
     result = executor.run(RunRequest(argv=("bash", f"{GRADER_DIR}/eval.sh"),
                                      files={k: v.encode() for k, v in files.items()}, env=dict(options.env),
                                      timeout=options.repo_timeout, memory_mb=options.repo_memory_mb,
@@ -362,7 +376,8 @@ def grade_repo(task: RepoTask, patch: str, executor: Executor, options: GradeOpt
         tests_changed = [p for p in candidate_paths
                          if (p in test_patch_paths or is_test_path(p)) and p not in infra_paths]
         graded.evidence = test_modification(options.access.value, tests_changed, reverted,
-                                            graded.repo.test_infrastructure_modified,
+                                            [*graded.repo.test_infrastructure_modified,
+                                             *(f"changed in the run: {c}" for c in graded.repo.runner_changes)],
                                             graded.repo.dropped_changes)
     return graded
 
@@ -477,9 +492,9 @@ def eval_script(base_commit: str, access: TestAccess, reset_paths: list[str], co
     infra_args = " ".join(shlex.quote(a) for a in dict.fromkeys(infra))
     head = _SCRIPT_HEAD.format(dir=GRADER_DIR, base=shlex.quote(base_commit), python=shlex.quote(python))
     body = "\n".join(step.format(paths=paths, infra=infra_args) for step in steps)
-    tail = _SCRIPT_TAIL.format(command=command, tee_on="" if junit else _TEE_ON.format(
-                                   pythons=" ".join(map(shlex.quote, dict.fromkeys(("python", "python3", python))))),
-                               notes=_JUNIT_NOTE if junit else _TEE_NOTE)
+    pythons = " ".join(map(shlex.quote, dict.fromkeys(("python", "python3", python))))
+    tail = _SCRIPT_TAIL.format(command=command, tee_on=(_GUARD_ON if junit else _TEE_ON).format(pythons=pythons),
+                               notes=_JUNIT_NOTE + _GUARD_NOTE if junit else _TEE_NOTE)
     return head + body + "\n" + tail
 
 
@@ -544,6 +559,13 @@ def judge(task: RepoTask, run: Run, access: TestAccess, reverted: list[str], tes
             statuses[test] = whole[test].value if test in whole else MISSING
             crosscheck = "junit, swebench-log" if crosscheck == "junit" else crosscheck
     report = _report(task, run, access, reverted, test_cmd, statuses, crosscheck, mismatches, **extra)
+    report.runner_changes = _runner_changes(notes)
+    if report.runner_changes and access is not TestAccess.OPEN:
+        report.resolved = False
+        return GradeResult(task.task_id, "repo", TaskStatus.FAILED, reason=(
+            f"the candidate's code changed the test runner as the tests ran: {report.runner_changes[0]}"
+            + (f" and {len(report.runner_changes) - 1} more" if len(report.runner_changes) > 1 else "")),
+            repo=report)
     failing = [t for t, s in {**report.fail_to_pass, **report.pass_to_pass}.items()
                if s not in _SUCCESS and s not in _NEUTRAL]
     if report.resolved:
@@ -571,6 +593,16 @@ def _infra_changes(notes: dict[str, str], access: TestAccess, infra: list[str]) 
         return [path if what == "file" else f"{path} {what}" for path, what in found]
     except (KeyError, ValueError, TypeError):
         return list(infra)  # the merge did not run (infra-fallback: whole files restored) or no note at all
+
+
+def _runner_changes(notes: dict[str, str]) -> list[str]:
+    """What runner_tee.py's guard recorded (its note; none without one), at most 20 lines of 300 bytes."""
+    try:
+        text = base64.b64decode(notes.get("guard", ""), validate=True).decode("utf-8", "replace")
+    except (ValueError, binascii.Error):
+        return ["the guard's record is unreadable"]
+    lines = [line[:300] for line in text.splitlines() if line.strip()]
+    return lines[:20] + ([f"... and {len(lines) - 20} more"] if len(lines) > 20 else [])
 
 
 def _undeclared(note: str | None, declared: list[str] | None) -> str | None:
