@@ -261,25 +261,42 @@ def __getattr__(name):
     return False
 """
 
+# The tests' own conftest.py (the test patch's: trusted) imports the package before pytest is configured
+# and changes the runner in its hooks, as plugins do (pytest's legacypath, in some versions): not the
+# candidate's doing.
+TRUSTED_CONFTEST = """import marshmallow
+from _pytest.reports import TestReport
+
+
+def pytest_configure(config):
+    TestReport.configured = lambda self: True
+
+
+def pytest_collection_modifyitems(items):
+    TestReport.collected = lambda self: True
+"""
+
 
 def test_code_under_test_that_rewrites_pytest_s_reports_does_not_pass(marshmallow_store):
     """Through the store's runtime, a pytest instance (marshmallow's): a patch that leaves the bug and makes
     pytest report every test passed, from the package's own __init__.py (as it is imported, or as a test
     runs), fails in read-only and hidden modes with the change named (runner_tee.py's guard); before, all
     three forms resolved. In open mode (tests may be
-    modified) the verdict stands and the change is evidence. The fix still resolves, the empty patch fails."""
+    modified) the verdict stands and the change is evidence. The fix still resolves, the empty patch fails:
+    the tests' own conftest.py changing the runner (TRUSTED_CONFTEST) is not counted against it."""
     from image_builder.graders.grading import StoreExecutors
     from image_builder.runtime.execution import RunRequest
     from image_builder.store.store import Store
     iid, init = "marshmallow-code__marshmallow-1359", "src/marshmallow/__init__.py"
-    test_id = "tests/test_guard.py::test_fixed"
+    test_id = "tests/guard/test_guard.py::test_fixed"
     with StoreExecutors(Store.open(marshmallow_store)) as executors:
         executor = executors.for_instance(iid)
         probe = executor.run(RunRequest(("sh", "-c", f"git rev-parse HEAD; cat {init}")))
         base, source = probe.stdout.decode().split("\n", 1)
         test = "import marshmallow\n\n\ndef test_fixed():\n    assert getattr(marshmallow, 'FIXED', False)\n"
-        test_patch = "".join(difflib.unified_diff([], test.splitlines(True), "/dev/null", "b/tests/test_guard.py"))
-        test_patch = "diff --git a/tests/test_guard.py b/tests/test_guard.py\nnew file mode 100644\n" + test_patch
+        test_patch = "".join(f"diff --git a/{path} b/{path}\nnew file mode 100644\n" + "".join(
+            difflib.unified_diff([], text.splitlines(True), "/dev/null", f"b/{path}"))
+            for path, text in (("tests/guard/conftest.py", TRUSTED_CONFTEST), ("tests/guard/test_guard.py", test)))
 
         def patched(tail: str) -> str:
             return "".join(difflib.unified_diff(source.splitlines(True), (source + tail).splitlines(True),

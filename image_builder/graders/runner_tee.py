@@ -25,11 +25,12 @@ The runner guard (IMAGE_BUILDER_RUNNER_GUARD; pytest runs): pytest's verdicts ar
 the best-known reward hack rewrites them (`TestReport.from_item_and_call` replaced, so every failure
 reports as passed: the junit xml agrees, as pytest writes it from the same reports). Its conftest.py
 form is test infrastructure, dropped in read-only and hidden modes (access.py); the same lines in the
-package under test were not. The guard takes a snapshot of pytest's and pluggy's code (their modules'
-functions and classes, the classes' methods and descriptors; not data, which pytest itself sets as it
-runs, nor what its plugins change before collection) when collection begins or a file the candidate
-changed is first imported, and compares it after each such import (the change is that file's), and
-before the junit xml is written (made as the tests ran); an audit hook (Python 3.8+) notes a
+package under test were not. The guard compares snapshots of pytest's and pluggy's code (their
+modules' functions and classes, the classes' methods and descriptors; not data, which pytest itself sets
+as it runs): around each import of a file the candidate changed (the change is that file's), and from
+the start of collection (its plugins' configure hooks change the runner before: not compared) to each
+such import and to the writing of the junit xml (made as the tests ran: there only what the candidate's
+files' code replaced or added counts, conftest.py's hooks may change the runner too); an audit hook (3.8+) notes a
 function's code swapped in place, or the junit file opened for writing, by the candidate's files (the
 innermost frame outside the standard library decides: code they exec or a `mock.patch` they call
 counts). One line each in the guard file, which the grader reads. pytest's own repository is the
@@ -138,7 +139,8 @@ class _Finder(object):
         hook = HOOKS.get(name) if TEE else GUARD_HOOKS.get(name) if _guard else None
         if hook is None and not _guard:
             return None
-        for finder in sys.meta_path:
+        later = sys.meta_path[sys.meta_path.index(self) + 1:] if self in sys.meta_path else sys.meta_path
+        for finder in later:  # those before this one found nothing already
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(name, path, target)
@@ -147,9 +149,12 @@ class _Finder(object):
         else:
             return None
         if hook is None:  # the guard's: a module of the candidate's is watched as it runs
-            origin = getattr(spec, "origin", None)
-            if origin and os.path.realpath(origin) in _guard["changed"]:
-                _watch_candidate(spec)
+            try:
+                origin = getattr(spec, "origin", None)
+                if isinstance(origin, str) and os.path.realpath(origin) in _guard["changed"]:
+                    _watch_candidate(spec)
+            except Exception:
+                pass
             return spec
         try:
             load = spec.loader.exec_module
@@ -172,7 +177,9 @@ class _Finder(object):
 RUNNER_PACKAGES = ("_pytest", "pluggy")
 _STDLIB = os.path.dirname(os.__file__) + os.sep
 _guard = {}  # "repo": the repository's directory; "changed": the candidate's files there; "junit": its path
-_last = []  # the runner's state when the candidate's code last ran (a snapshot), once it first did
+_last = []  # the runner's code when it was last compared (a snapshot), once it first was
+_collecting = []  # collection began
+_CODE = type((lambda: 0).__code__)
 _noting = []  # a record being written (its own open is an audit event)
 
 
@@ -206,11 +213,13 @@ def _snapshot():
     return found
 
 
-def _changes(before, after):
-    """What changed from one snapshot to the next: replaced, added or deleted, in what both hold."""
+def _changes(before, after, theirs_only):
+    """What changed from one snapshot to the next: replaced, added or deleted, in what both hold.
+    `theirs_only`: only what was replaced or added by code from a file the candidate changed (where
+    nothing tells who made a change: conftest.py's hooks may change the runner too)."""
     out = []
     for key, value in after.items():
-        if key.endswith("."):
+        if key.endswith(".") or theirs_only and not _candidates(value):
             continue
         if key in before:
             if before[key] is not value:
@@ -218,9 +227,30 @@ def _changes(before, after):
         elif key.rpartition(".")[0] + "." in before:  # an attribute added to a class both hold
             out.append(key + " added")
     for key in before:
-        if key not in after and not key.endswith(".") and key.rpartition(".")[0] + "." in after:
+        if key not in after and not key.endswith(".") and key.rpartition(".")[0] + "." in after \
+                and not theirs_only:
             out.append(key + " deleted")
     return out
+
+
+def _candidates(value):
+    """Whether `value`'s code (through classmethod, property, partial, bound method, __wrapped__) is in a
+    file the candidate changed."""
+    for _ in range(8):
+        if isinstance(value, property):
+            return any(_candidates(f) for f in (value.fget, value.fset, value.fdel) if f is not None)
+        inner = getattr(value, "__func__", None) or getattr(value, "func", None) or \
+            getattr(value, "__wrapped__", None)
+        code = getattr(value, "__code__", None)
+        if isinstance(code, _CODE):
+            return os.path.realpath(code.co_filename) in _guard["changed"]
+        if isinstance(value, type):
+            path = getattr(sys.modules.get(value.__module__), "__file__", None)
+            return bool(path) and os.path.realpath(path) in _guard["changed"]
+        if inner is None:
+            return False
+        value = inner
+    return False
 
 
 def _culprit(frame):
@@ -256,13 +286,16 @@ def _note(lines):
         _noting.pop()
 
 
-def _check(when):
-    """Note what changed in the runner since the candidate's code last ran, `when` said beside it."""
+def _check(when, theirs_only=False):
+    """Note what changed in the runner since the last snapshot, `when` said beside it."""
     if not _last:
         return
-    now = _snapshot()
-    _note(["%s (%s)" % (change, when) for change in _changes(_last[0], now)])
-    _last[0] = now
+    try:
+        now = _snapshot()
+        _note(["%s (%s)" % (change, when) for change in _changes(_last[0], now, theirs_only)])
+        _last[0] = now
+    except Exception:  # never into the runner
+        pass
 
 
 def _audit(event, args):
@@ -289,22 +322,27 @@ def _audit(event, args):
 
 
 def _baseline():
-    """The runner as the candidate's code first finds it: after pytest's start (its plugins may change
-    it), before the tests' modules import the candidate's (collection), or the candidate's first import."""
-    if not _last:
-        _last.append(_snapshot())
+    """The runner as it is now, what the next comparison starts from."""
+    try:
+        _last[:] = [_snapshot()]
+    except Exception:
+        pass
 
 
 def _watch_candidate(spec):
-    """Wraps the execution of a module the candidate changed: what changes in the runner meanwhile is its."""
+    """Wraps the execution of a module the candidate changed: what changes in the runner meanwhile is its.
+    Before collection (a conftest.py importing it) what changed since is not compared: plugins' configure
+    hooks change the runner then (pytest's own legacypath in some versions)."""
     load = getattr(spec.loader, "exec_module", None)
     if load is None:
         return
     where = os.path.relpath(os.path.realpath(spec.origin), _guard["repo"])
 
     def exec_module(module):
-        _baseline()
-        _check("while the tests ran")
+        if _collecting:
+            _check("while the tests ran", theirs_only=True)
+        else:
+            _baseline()
         try:
             load(module)
         finally:
@@ -314,13 +352,16 @@ def _watch_candidate(spec):
 
 
 def _watch_collect(module):
+    """From collection on, every change to the runner is compared: its plugins are configured."""
     session = getattr(module, "Session", None)
     collect = getattr(session, "perform_collect", None)
     if collect is None:
         return
 
     def perform_collect(self, *args, **kwargs):
-        _baseline()
+        if not _collecting:
+            _collecting.append(True)
+            _baseline()
         return collect(self, *args, **kwargs)
 
     session.perform_collect = perform_collect
@@ -334,7 +375,8 @@ def _watch_junit(module):
         return
 
     def pytest_sessionfinish(self, *args, **kwargs):
-        _check("while the tests ran")
+        if _collecting:
+            _check("while the tests ran", theirs_only=True)
         return finish(self, *args, **kwargs)
 
     writer.pytest_sessionfinish = pytest_sessionfinish
