@@ -31,7 +31,7 @@ as it runs): around each import of a file the candidate changed (the change is t
 the start of collection (its plugins' configure hooks change the runner before: not compared) to each
 such import and to the writing of the junit xml (made as the tests ran: there only what the candidate's
 files' code replaced or added counts, conftest.py's hooks may change the runner too); an audit hook (3.8+) notes a
-function's code swapped in place, or the junit file opened for writing, by the candidate's files (the
+function's code swapped in place, or the junit file written, replaced, truncated or removed, by the candidate's files (the
 innermost frame outside the standard library decides: code they exec or a `mock.patch` they call
 counts). One line each in the guard file, which the grader reads. pytest's own repository is the
 runner under test: its changes to itself are not compared. What it cannot see: changes made and undone
@@ -180,6 +180,8 @@ _guard = {}  # "repo": the repository's directory; "changed": the candidate's fi
 _last = []  # the runner's code when it was last compared (a snapshot), once it first was
 _collecting = []  # collection began
 _CODE = type((lambda: 0).__code__)
+_JUNIT_EVENTS = {"open": "opened for writing", "os.rename": "replaced", "os.truncate": "truncated",
+                 "os.remove": "removed"}
 _noting = []  # a record being written (its own open is an audit event)
 
 
@@ -308,15 +310,18 @@ def _audit(event, args):
             if culprit:
                 _note(["%s.%s.%s set (%s)" % (args[0].__module__, getattr(args[0], "__qualname__", "?"), args[1],
                                                culprit)])
-        elif event == "open" and _guard["junit"] and not _noting:
-            path, mode, flags = args
-            writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
-                isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC))
-            if writes and isinstance(path, (str, bytes)) and \
-                    os.path.realpath(os.fsdecode(path)) == _guard["junit"]:
+        elif event in _JUNIT_EVENTS and _guard["junit"] and not _noting:
+            if event == "open":
+                path, mode, flags = args
+                if not ((isinstance(mode, str) and any(c in mode for c in "wax+")) or (
+                        isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC))):
+                    return
+            else:  # os.rename and os.replace: (src, dst, ...); os.truncate, os.remove: (path, ...)
+                path = args[1] if event == "os.rename" else args[0]
+            if isinstance(path, (str, bytes)) and os.path.realpath(os.fsdecode(path)) == _guard["junit"]:
                 culprit = _culprit(sys._getframe(1))
                 if culprit:
-                    _note(["the junit file opened for writing (%s)" % culprit])
+                    _note(["the junit file %s (%s)" % (_JUNIT_EVENTS[event], culprit)])
     except Exception:
         pass
 

@@ -46,7 +46,7 @@ Why the run's report cannot be forged by printing:
   the copy reads every status as the whole log does (3440 and 3206 tests).
 - pytest's runs load runner_tee.py's guard: a change to pytest's or pluggy's code
   (their modules' functions, their classes' methods) since collection began, or
-  function code swapped or the junit file opened for writing by a file the
+  function code swapped or the junit file written or replaced by a file the
   candidate changed, is recorded (note "guard") and fails the run unless access
   is open (RepoReport.runner_changes): the reward hack that makes every report
   say passed, from the package under test.
