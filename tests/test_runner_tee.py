@@ -179,7 +179,7 @@ def test_the_empty_patch_fails_as_the_log_says(instance):
 
 def test_pytest_runs_are_checked_by_junit_and_guarded_not_copied():
     script = eval_script("0" * 40, TestAccess.HIDDEN, [], "pytest -rA", junit=True)
-    assert "junit" in script and "IMAGE_BUILDER_RUNNER_GUARD" in script and "IMAGE_BUILDER_RUNNER_TEE=" not in script
+    assert "junit" in script and '"GUARD=$J/guard.log"' in script and "TEE=" not in script
     teed = eval_script("0" * 40, TestAccess.HIDDEN, [], "bin/test -C --verbose", junit=False)
     assert "note runner" in teed and "junit.xml" not in teed
 
@@ -336,3 +336,65 @@ def test_code_under_test_that_rewrites_pytest_s_reports_does_not_pass(marshmallo
         assert any(what in line for line in opened.evidence), opened.evidence
     swapped = graded["junit", TestAccess.HIDDEN]
     assert swapped.repo.runner_changes[0].startswith(f"the junit file replaced ({init}:"), swapped.repo.runner_changes
+
+
+# A repository at /testbed, made in the instance: calc.add is wrong; the test patch adds a unittest test of it.
+MAKE_REPO = """set -e
+mkdir -p /testbed/calc && cd /testbed
+printf 'def add(a, b):\\n    return a - b\\n' > calc/__init__.py
+git init -q && git add -A
+git -c user.name=t -c user.email=t@t commit -qm base
+"""
+
+
+def test_a_debian_python_without_a_venv_gets_the_copy_too(tmp_path, registries, debian_bullseye_base):
+    """SWE-bench catalogs install into Debian's own Python (no venv): bullseye's sysconfig purelib folder
+    (/usr/lib/python3.X/site-packages) does not exist: the copy (and pytest's guard) went nowhere, and a
+    status line printed at exit passed the test there (crosscheck log-only). Now the .pth goes into the
+    first site-packages folder there is."""
+    from image_builder.build.catalog import load
+    from image_builder.build.envbuild import BuildOptions
+    from image_builder.build.storebuild import StoreBuildOptions, build_store
+    from image_builder.graders.grading import StoreExecutors
+    from image_builder.oci.cache import BlobCache
+    from image_builder.oci.registry import RegistryOptions
+    from image_builder.runtime.execution import RunRequest
+    from image_builder.store.store import Store
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "noop.sh").write_text("true\n")
+    (tmp_path / "scripts" / "repo.sh").write_text(MAKE_REPO)
+    (tmp_path / "catalog.yaml").write_text(
+        f"scripts_dir: scripts\nenvironments:\n  - name: plain\n    base: {debian_bullseye_base}\n    scripts: [noop.sh]\n"
+        "instances:\n  - id: calc-1\n    environment: plain\n    script: repo.sh\n    workdir: /testbed\n")
+    summary = build_store(load(tmp_path / "catalog.yaml"), StoreBuildOptions(BuildOptions(
+        store=tmp_path / "store", cache=BlobCache(tmp_path / "cache"),
+        registry=RegistryOptions(ca_cert=registries.tls.cert)), jobs=2))
+    assert not summary.failed, [(f.message, f.tail[-10:]) for f in summary.failed]
+    with StoreExecutors(Store.open(tmp_path / "store")) as executors:
+        executor = executors.for_instance("calc-1")
+        probe = executor.run(RunRequest(("sh", "-c", "git rev-parse HEAD; python3 -c 'import sys, sysconfig, os; "
+                                         "print(sys.version_info >= (3, 11), os.path.isdir(sysconfig.get_paths()"
+                                         "[\"purelib\"]), sys.prefix == sys.base_prefix)'")))
+        base, facts = probe.stdout.decode().split()[0], probe.stdout.decode().split()[1:]
+        assert facts[1:] == ["False", "True"], "Debian's own Python, no purelib folder, no venv"
+        label = "test_add (tests.test_calc.CalcTests{})".format(".test_add" if facts[0] == "True" else "")
+        test = ("import unittest\n\nfrom calc import add\n\n\nclass CalcTests(unittest.TestCase):\n"
+                "    def test_add(self):\n        self.assertEqual(add(1, 2), 3)\n")
+        test_patch = "diff --git a/tests/test_calc.py b/tests/test_calc.py\nnew file mode 100644\n" + "".join(
+            difflib.unified_diff([], test.splitlines(True), "/dev/null", "b/tests/test_calc.py")) + \
+            "diff --git a/tests/__init__.py b/tests/__init__.py\nnew file mode 100644\n"
+        source = "def add(a, b):\n    return a - b\n"
+
+        def patched(new: str) -> str:
+            return "diff --git a/calc/__init__.py b/calc/__init__.py\n" + "".join(difflib.unified_diff(
+                source.splitlines(True), new.splitlines(True), "a/calc/__init__.py", "b/calc/__init__.py"))
+
+        fix = patched("def add(a, b):\n    return a + b\n")
+        forged = patched(source + f"\nimport atexit, sys\natexit.register(lambda: sys.stderr.write({label + ' ... ok'!r}"
+                                  " + '\\n'))\n")
+        task = RepoTask("calc-1", "example/unittest-tests", base, fix, test_patch, (label,), (), "calc-1",
+                        test_cmd="python3 -m unittest -v")
+        fixed, faked = (grade(task, patch, executor).repo for patch in (fix, forged))
+    assert fixed.resolved and fixed.crosscheck == "runner", (fixed.crosscheck, fixed.log[-2000:])
+    assert label + " ... ok" in faked.log.splitlines()[-1], faked.log[-2000:]
+    assert not faked.resolved and faked.fail_to_pass == {label: "MISMATCH"}, (faked.crosscheck, faked.log[-2000:])

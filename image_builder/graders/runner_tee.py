@@ -5,7 +5,7 @@ runtests.py and any unittest TextTestRunner, sympy's bin/test) had only their lo
 code under test prints (`test_x (m.T) ... ok`, `test_x ok`) reads as a pass. This module, loaded at
 start-up by every Python process of the test command (a .pth beside it in the environment's
 site-packages, for the run only), copies what the run's first test runner writes to the process's real
-stdout or stderr into IMAGE_BUILDER_RUNNER_TEE as well: unittest's TextTestRunner stream, sympy's
+stdout or stderr into its TEE file as well: unittest's TextTestRunner stream, sympy's
 PyTestReporter.write. Code under test that prints, to any stream or descriptor, adds nothing to that
 copy; the grader reads the copy with the same parser and fails a test the log says passed and the
 copy does not.
@@ -21,7 +21,7 @@ with junit, in-process code can lie to in-process reporters. Without this module
 interpreter, `python -S`), or when no runner's output reaches stdout or stderr, nothing is copied and
 the grader reads the log alone, as before.
 
-The runner guard (IMAGE_BUILDER_RUNNER_GUARD; pytest runs): pytest's verdicts are in-process too, and
+The runner guard (GUARD; pytest runs): pytest's verdicts are in-process too, and
 the best-known reward hack rewrites them (`TestReport.from_item_and_call` replaced, so every failure
 reports as passed: the junit xml agrees, as pytest writes it from the same reports). Its conftest.py
 form is test infrastructure, dropped in read-only and hidden modes (access.py); the same lines in the
@@ -45,8 +45,21 @@ imports nothing but sys and os until a runner's module is imported; never raises
 import os
 import sys
 
-TEE = os.environ.get("IMAGE_BUILDER_RUNNER_TEE")
-GUARD = os.environ.get("IMAGE_BUILDER_RUNNER_GUARD")
+
+
+def _settings():
+    """KEY=VALUE lines of _ib_runner_tee.cfg beside this file (the eval script's; not the environment,
+    which tox does not pass on): TEE, GUARD, JUNIT, REPO, CANDIDATE_FILES."""
+    try:
+        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ib_runner_tee.cfg")) as f:
+            return dict(line.rstrip("\n").split("=", 1) for line in f if "=" in line)
+    except Exception:
+        return {}
+
+
+SETTINGS = _settings()
+TEE = SETTINGS.get("TEE")
+GUARD = SETTINGS.get("GUARD")
 _owner = []  # the runner whose output is copied (in this process), once claimed
 _copy = []  # its file's descriptor
 _inside = []  # a PyTestReporter.write in progress (it calls itself)
@@ -391,17 +404,17 @@ GUARD_HOOKS = {"_pytest.junitxml": _watch_junit, "_pytest.main": _watch_collect}
 
 
 def _install_guard():
-    repo = os.environ.get("IMAGE_BUILDER_REPO") or ""
+    repo = SETTINGS.get("REPO") or ""
     if not os.path.isdir(repo):
         return
     _guard["repo"] = os.path.realpath(repo) + os.sep
     try:
-        with open(os.environ.get("IMAGE_BUILDER_CANDIDATE_FILES") or "", "rb") as f:
+        with open(SETTINGS.get("CANDIDATE_FILES") or "", "rb") as f:
             names = f.read().decode("utf-8", "surrogateescape").split("\0")
     except Exception:
         names = []
     _guard["changed"] = set(os.path.realpath(os.path.join(repo, name)) for name in names if name)
-    junit = os.environ.get("IMAGE_BUILDER_RUNNER_JUNIT")
+    junit = SETTINGS.get("JUNIT")
     _guard["junit"] = os.path.realpath(junit) if junit else None
     for name, hook in GUARD_HOOKS.items():
         if name in sys.modules:

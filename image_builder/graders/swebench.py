@@ -311,20 +311,21 @@ _JUNIT_NOTE = """if [ -s "$J/junit.xml" ]; then note junit "$(base64 -w0 "$J/jun
 """
 # runner_tee.py, loaded by every interpreter the environment's python and python3 name (a .pth in their
 # site-packages, taken out after the run): pytest's runs get its guard, runners without junit its copy
-# of their own output.
+# of their own output. Its settings are a file beside it, not the environment: tox (sphinx's command)
+# passes the tests none of the caller's variables. Its folder: the first site-packages folder there is
+# (a venv's; Debian's Python has no sysconfig purelib, /usr/lib/python3.X/site-packages, but
+# /usr/local/lib/python3.X/dist-packages: where SWE-bench catalogs' environments install).
 _HOOK_ON = r"""TEED=()
+SITE='import os, site; print(next(p for p in site.getsitepackages() if os.path.isdir(p)))'
 for py in {pythons}; do
-  s=$("$py" -I -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' 2>/dev/null) && [ -d "$s" ] || continue
-  cp "$G/runner_tee.py" "$s/_ib_runner_tee.py" && echo "import _ib_runner_tee" > "$s/_ib_runner_tee.pth" && TEED+=("$s")
+  s=$("$py" -I -c "$SITE" 2>/dev/null) && [ -d "$s" ] || continue
+  cp "$G/runner_tee.py" "$s/_ib_runner_tee.py" && printf '%s\n' {settings} > "$s/_ib_runner_tee.cfg" \
+    && echo "import _ib_runner_tee" > "$s/_ib_runner_tee.pth" && TEED+=("$s")
 done
 """
-_GUARD_ON = _HOOK_ON + r"""export IMAGE_BUILDER_RUNNER_GUARD="$J/guard.log" IMAGE_BUILDER_RUNNER_JUNIT="$J/junit.xml" \
-  IMAGE_BUILDER_REPO="$PWD" IMAGE_BUILDER_CANDIDATE_FILES="$G/candidate-files"
-"""
-_TEE_ON = _HOOK_ON + r"""export IMAGE_BUILDER_RUNNER_TEE="$J/runner.log"
-"""
-_HOOK_OFF = r"""unset IMAGE_BUILDER_RUNNER_TEE IMAGE_BUILDER_RUNNER_GUARD
-for s in ${TEED[@]+"${TEED[@]}"}; do rm -f "$s/_ib_runner_tee.py" "$s/_ib_runner_tee.pth"; done
+_GUARD_SETTINGS = '"GUARD=$J/guard.log" "JUNIT=$J/junit.xml" "REPO=$PWD" "CANDIDATE_FILES=$G/candidate-files"'
+_TEE_SETTINGS = '"TEE=$J/runner.log"'
+_HOOK_OFF = r"""for s in ${TEED[@]+"${TEED[@]}"}; do rm -f "$s/_ib_runner_tee.py" "$s/_ib_runner_tee.pth" "$s/_ib_runner_tee.cfg"; done
 """
 _TEE_NOTE = _HOOK_OFF + r"""if [ -e "$J/runner.log" ]; then note runner "$(base64 -w0 < "$J/runner.log")"; else note runner none; fi
 """
@@ -493,7 +494,8 @@ def eval_script(base_commit: str, access: TestAccess, reset_paths: list[str], co
     head = _SCRIPT_HEAD.format(dir=GRADER_DIR, base=shlex.quote(base_commit), python=shlex.quote(python))
     body = "\n".join(step.format(paths=paths, infra=infra_args) for step in steps)
     pythons = " ".join(map(shlex.quote, dict.fromkeys(("python", "python3", python))))
-    tail = _SCRIPT_TAIL.format(command=command, tee_on=(_GUARD_ON if junit else _TEE_ON).format(pythons=pythons),
+    tail = _SCRIPT_TAIL.format(command=command, tee_on=_HOOK_ON.format(
+                                   pythons=pythons, settings=_GUARD_SETTINGS if junit else _TEE_SETTINGS),
                                notes=_JUNIT_NOTE + _GUARD_NOTE if junit else _TEE_NOTE)
     return head + body + "\n" + tail
 
