@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -247,19 +248,8 @@ _runner.call_and_report = _passed
 """
 
 # The same as a test runs: the package's __getattr__, asked for FIXED, rewrites the reports first.
-FORGED_LATE = """
-def __getattr__(name):
-    if name != "FIXED":
-        raise AttributeError(name)
-    from _pytest.reports import TestReport as _Report
-    _made = _Report.from_item_and_call.__func__
-    def _passed(cls, item, call):
-        report = _made(cls, item, call)
-        report.outcome, report.longrepr = "passed", None
-        return report
-    _Report.from_item_and_call = classmethod(_passed)
-    return False
-"""
+FORGED_LATE = ('def __getattr__(name):\n    if name != "FIXED":\n        raise AttributeError(name)\n'
+               + textwrap.indent(FORGED_REPORTS.strip() + "\n", "    ") + "    return False\n")
 
 # The junit xml swapped for one of its own at exit (with a summary printed last, the log would agree).
 FORGED_JUNIT = """

@@ -369,38 +369,39 @@ def _watch_candidate(spec):
     spec.loader.exec_module = exec_module
 
 
-def _watch_collect(module):
+def _before(owner, name, first):
+    """`first()` is called before each call of the method owner.name (as it was; its signature, which
+    pluggy reads for a hook's arguments, kept)."""
+    method = getattr(owner, name, None)
+    if method is None:
+        return
+    import functools
+
+    @functools.wraps(method)
+    def wrapped(*args, **kwargs):
+        first()
+        return method(*args, **kwargs)
+
+    setattr(owner, name, wrapped)
+
+
+def _collection_began():
     """From collection on, every change to the runner is compared: its plugins are configured."""
-    session = getattr(module, "Session", None)
-    collect = getattr(session, "perform_collect", None)
-    if collect is None:
-        return
-
-    def perform_collect(self, *args, **kwargs):
-        if not _collecting:
-            _collecting.append(True)
-            _baseline()
-        return collect(self, *args, **kwargs)
-
-    session.perform_collect = perform_collect
+    if not _collecting:
+        _collecting.append(True)
+        _baseline()
 
 
-def _watch_junit(module):
-    """pytest's junit xml is written at the session's end: the runner is checked first."""
-    writer = getattr(module, "LogXML", None)
-    finish = getattr(writer, "pytest_sessionfinish", None)
-    if finish is None:
-        return
-
-    def pytest_sessionfinish(self, *args, **kwargs):
-        if _collecting:
-            _check("while the tests ran", theirs_only=True)
-        return finish(self, *args, **kwargs)
-
-    writer.pytest_sessionfinish = pytest_sessionfinish
+def _junit_writing():
+    """pytest's junit xml is written at the session's end: the runner is compared first."""
+    if _collecting:
+        _check("while the tests ran", theirs_only=True)
 
 
-GUARD_HOOKS = {"_pytest.junitxml": _watch_junit, "_pytest.main": _watch_collect}
+GUARD_HOOKS = {"_pytest.junitxml": lambda module: _before(getattr(module, "LogXML", None), "pytest_sessionfinish",
+                                                          _junit_writing),
+               "_pytest.main": lambda module: _before(getattr(module, "Session", None), "perform_collect",
+                                                      _collection_began)}
 
 
 def _install_guard():
