@@ -323,8 +323,8 @@ def _audit(event, args):
             if culprit:
                 _note(["%s.%s.%s set (%s)" % (args[0].__module__, getattr(args[0], "__qualname__", "?"), args[1],
                                                culprit)])
-        elif event in _JUNIT_EVENTS and _guard["junit"] and not _noting:
-            if event == "open":
+        elif event in _JUNIT_EVENTS and _guard["junit"] and not _noting and _runner_code("_pytest.junitxml"):
+            if event == "open":  # (pytest's own repository writes its junit xml with its own code: not noted)
                 path, mode, flags = args
                 if not ((isinstance(mode, str) and any(c in mode for c in "wax+")) or (
                         isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC))):
