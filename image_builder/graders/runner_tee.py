@@ -188,7 +188,7 @@ class _Finder(object):
 # -- the runner guard --
 
 RUNNER_PACKAGES = ("_pytest", "pluggy")
-_STDLIB = os.path.dirname(os.__file__) + os.sep
+_STDLIB = os.path.dirname(os.__file__) + os.sep  # (a Python built from source has its site-packages in it)
 _guard = {}  # "repo": the repository's directory; "changed": the candidate's files there; "junit": its path
 _last = []  # the runner's code when it was last compared (a snapshot), once it first was
 _collecting = []  # collection began
@@ -273,7 +273,8 @@ def _culprit(frame):
     frame outside the standard library (and source without a file) decides."""
     while frame is not None:
         name = frame.f_code.co_filename
-        if name.startswith("<") or name.startswith(_STDLIB):
+        if name.startswith("<") or name.startswith(_STDLIB) and not any(
+                os.sep + d + os.sep in name for d in ("site-packages", "dist-packages")):
             frame = frame.f_back
             continue
         if name == __file__:
