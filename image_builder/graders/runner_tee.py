@@ -46,7 +46,6 @@ import os
 import sys
 
 
-
 def _settings():
     """KEY=VALUE lines of _ib_runner_tee.cfg beside this file (the eval script's; not the environment,
     which tox does not pass on): TEE, GUARD, JUNIT, REPO, CANDIDATE_FILES."""
@@ -324,15 +323,18 @@ def _audit(event, args):
             if culprit:
                 _note(["%s.%s.%s set (%s)" % (args[0].__module__, getattr(args[0], "__qualname__", "?"), args[1],
                                                culprit)])
-        elif event in _JUNIT_EVENTS and _guard["junit"] and not _noting and _runner_code("_pytest.junitxml"):
-            if event == "open":  # (pytest's own repository writes its junit xml with its own code: not noted)
+        elif event in _JUNIT_EVENTS and _guard["junit"] and not _noting:
+            if event == "open":
                 path, mode, flags = args
                 if not ((isinstance(mode, str) and any(c in mode for c in "wax+")) or (
                         isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC))):
                     return
             else:  # os.rename and os.replace: (src, dst, ...); os.truncate, os.remove: (path, ...)
                 path = args[1] if event == "os.rename" else args[0]
-            if isinstance(path, (str, bytes)) and os.path.realpath(os.fsdecode(path)) == _guard["junit"]:
+            # (pytest's own repository writes its junit xml with its own code: not noted; asked last, as
+            # it resolves a path, where every file the run opens for writing passes here)
+            if isinstance(path, (str, bytes)) and os.path.realpath(os.fsdecode(path)) == _guard["junit"] \
+                    and _runner_code("_pytest.junitxml"):
                 culprit = _culprit(sys._getframe(1))
                 if culprit:
                     _note(["the junit file %s (%s)" % (_JUNIT_EVENTS[event], culprit)])
@@ -430,8 +432,8 @@ def _install():
         _install_guard()
     if not TEE and not _guard:
         return
-    for name, hook in HOOKS.items():
-        if TEE and name in sys.modules:
+    for name, hook in HOOKS.items() if TEE else ():
+        if name in sys.modules:
             try:
                 hook(sys.modules[name])
             except Exception:

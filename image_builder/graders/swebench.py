@@ -45,11 +45,12 @@ Why the run's report cannot be forged by printing:
   admin_scripts, test_runner, i18n) and sympy 1.12's on core, polys and sets:
   the copy reads every status as the whole log does (3440 and 3206 tests).
 - pytest's runs load runner_tee.py's guard: a change to pytest's or pluggy's code
-  (their modules' functions, their classes' methods) since collection began, or
-  function code swapped or the junit file written or replaced by a file the
-  candidate changed, is recorded (note "guard") and fails the run unless access
-  is open (RepoReport.runner_changes): the reward hack that makes every report
-  say passed, from the package under test.
+  (their modules' functions, their classes' methods) made while a file the
+  candidate changed is imported, or by that file's code later in the run, or
+  function code swapped or the junit file written or replaced by such a file,
+  is recorded (note "guard") and fails the run unless access is open
+  (RepoReport.runner_changes): the reward hack that makes every report say
+  passed, from the package under test.
 Code under test that knows the guard (module dicts, ctypes, its state), or
 rewrites the runner copy, can still forge a pass: in-process code can lie to
 in-process reporters.
