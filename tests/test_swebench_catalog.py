@@ -526,6 +526,26 @@ def test_eval_commands_are_carried_out_exports_as_the_environment_and_locale_gen
     assert "eval_commands (" not in (tmp_path / "c.stderr").read_text(), "nothing of them left out"
 
 
+def test_requirements_pypi_has_yanked_are_replaced_as_swebench_replaces_them(tmp_path):
+    """sqlfluff's requirements_dev.txt names types-pkg_resources, whose every release PyPI has yanked: every
+    sqlfluff environment failed at pip ("No matching distribution"). SWE-bench's own table
+    (REPLACE_REQ_PACKAGES, read from the installed swebench) installs types-setuptools instead: so does the
+    catalog, in requirements files and an environment.yml's pip section, with a note per instance."""
+    envs = _marshmallow_with(tmp_path, {"requirements_dev.txt": "flake8\ntypes-pkg_resources\ntypes-toml\n"},
+                             "--cutoff", "none",
+                             row={"repo": "sqlfluff/sqlfluff", "version": "0.6", "instance_id": "sqlfluff__sqlfluff-1"})
+    deps = envs["sqlfluff__sqlfluff-0.6-deps"]
+    assert (deps.context / "requirements.txt").read_text() == "flake8\ntypes-setuptools\ntypes-toml\n"
+    assert "note: sqlfluff__sqlfluff-1: types-pkg_resources is yanked from PyPI: types-setuptools instead" in \
+        (tmp_path / "c.stderr").read_text()
+
+    yml = XARRAY_YML.replace("      - numbagg", "      - numbagg\n      - types-pkg_resources==0.1.3")
+    envs = _marshmallow_with(tmp_path / "x", {"ci/requirements/environment.yml": yml}, "--cutoff", "none",
+                             row={"repo": "pydata/xarray", "version": "0.12", "instance_id": "pydata__xarray-2"})
+    optional = (envs["pydata__xarray-0.12-deps"].context / "optional.txt").read_text().split()
+    assert "types-setuptools" in optional and not any("pkg_resources" in x for x in optional)
+
+
 def test_eval_commands_split_into_exports_and_commands():
     from image_builder.build.swebench_catalog import _eval_commands
     assert _eval_commands(["export A=1", "export B='x y'", "export C=$HOME", "export D=1 E=2", "locale-gen",

@@ -54,6 +54,8 @@ instance, one line each, and the rest is written.
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import fnmatch
 import importlib.machinery
 import importlib.util
@@ -215,6 +217,50 @@ def log_parser_module() -> types.ModuleType | None:
                 sys.modules[n] = saved_module
     _LOG_PARSERS.append(module)
     return module
+
+
+def replaced_packages(constants: types.ModuleType) -> tuple[tuple[str, str | None], ...]:
+    """swebench's REPLACE_REQ_PACKAGES: requirements PyPI has since yanked whole (sqlfluff's
+    `types-pkg_resources`: no version left, every sqlfluff environment fails), each with what SWE-bench installs
+    instead (None: nothing). Read as data from its test_spec/python.py, which imports the harness; () where
+    this swebench has no such table."""
+    harness = Path(constants.__file__).parent
+    harness = harness.parent if harness.name == "constants" else harness  # 4.x: a package; 3.x: a module
+    for path in (harness / "test_spec" / "python.py", harness / "test_spec.py"):
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (OSError, SyntaxError, UnicodeDecodeError):
+            continue
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "REPLACE_REQ_PACKAGES"
+                                                    for t in node.targets):
+                try:
+                    table = ast.literal_eval(node.value)
+                    return tuple((old, new) for old, new in table
+                                 if isinstance(old, str) and (new is None or isinstance(new, str)))
+                except (ValueError, TypeError):
+                    return ()
+    return ()
+
+
+def replace_packages(lines: list[str], table: tuple[tuple[str, str | None], ...]) -> tuple[list[str], list[str]]:
+    """(the requirement lines with `table` applied as SWE-bench's clean_requirements applies it: the
+    package's line, whatever its version specifier, becomes the replacement's bare name or goes; what was
+    replaced, a line each)."""
+    said: list[str] = []
+    for old, new in table:
+        pattern = re.compile(rf"^(\s*){re.escape(old)}([<>=!~]=?.*|\s*)$")
+        kept = []
+        for line in lines:
+            if pattern.match(line):
+                said.append(f"{line.strip()} is yanked from PyPI: "
+                            + (f"{new} instead, as SWE-bench installs it" if new else "left out, as SWE-bench does"))
+                if new:
+                    kept.append(pattern.sub(lambda m: m.group(1) + new, line))
+            else:
+                kept.append(line)
+        lines = kept
+    return lines, said
 
 
 def spec_of(constants: types.ModuleType, repo: str, version: str) -> Spec | str:
@@ -471,7 +517,7 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
                         "name)")
     named = f"{opts.prefix}-" if opts.prefix else ""
     constants = load_swebench()
-    parsers = log_parsers()
+    parsers, yanked = log_parsers(), replaced_packages(constants)
     if opts.specs:
         constants, named_parsers = read_specs(opts.specs, constants)
         parsers |= named_parsers
@@ -514,14 +560,15 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
                         f"no repository for {repo} in {opts.repos} (a {repo.split('/')[1]}.bundle or clone)"
                 except SpecError as e:
                     mirrors[repo] = str(e)
-            found = _usable(constants, opts, repo, version, members, mirrors[repo])
+            found = _usable(constants, yanked, opts, repo, version, members, mirrors[repo])
             if isinstance(found, str):
                 result.skipped.extend(f"{t.original_id}: {found}" for t, _ in members)
             else:
                 usable.append(found)
 
         python_envs: set[str] = set()
-        histories: dict[tuple[str, str], str | None] = {}  # (repo, python) -> its history's merge-base, or None
+        # (repo, python) -> its history's merge-base, or why it could not be cut
+        histories: dict[tuple[str, str], str | SpecError] = {}
         for done, u in enumerate(usable, 1):
             repo, version, spec, base, mirror, members = u.repo, u.version, u.spec, u.base, u.mirror, u.members
             progress(f"{repo} {version}: {len(members)} instance{'s' if len(members) != 1 else ''} "
@@ -550,15 +597,17 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
                 # every one of their instances' base commits (what each of them may see).
                 history = f"{named}{slug(repo)}-py{spec.python}-history"
                 if (repo, spec.python) not in histories:
-                    histories[repo, spec.python] = None  # a failed history leaves out every version on it
-                    shared = mirror.merge_base([t.base_commit for other in usable
-                                                if other.repo == repo and other.spec.python == spec.python
-                                                for t, _ in other.members])
-                    environments.append(_repo_env(history, below, context / "envs" / history, opts.out,
-                                                  mirror, shared, None, {}))
-                    histories[repo, spec.python] = shared
-                if histories[repo, spec.python] is None:
-                    raise SpecError(f"the history of {repo} on Python {spec.python} could not be cut")
+                    try:
+                        shared = mirror.merge_base([t.base_commit for other in usable
+                                                    if other.repo == repo and other.spec.python == spec.python
+                                                    for t, _ in other.members])
+                        environments.append(_repo_env(history, below, context / "envs" / history, opts.out,
+                                                      mirror, shared, None, {}))
+                        histories[repo, spec.python] = shared
+                    except SpecError as e:  # every version on it is left out, each instance with the reason
+                        histories[repo, spec.python] = e
+                if isinstance(histories[repo, spec.python], SpecError):
+                    raise SpecError(str(histories[repo, spec.python]))
                 env_name = f"{named}{slug(repo)}-{version}"
                 deps_dir = context / "envs" / f"{env_name}-deps"
                 deps_dir.mkdir(parents=True, exist_ok=True)
@@ -579,7 +628,7 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
                                      for t, _ in members]
                 cutoff = cutoffs.of(repo, version, spec, [r for _, r in members])
                 packages, moved = cutoffs.with_wheels(spec, cutoff) if not conda else (spec.packages, [])
-                result.notes += [f"{t.original_id}: {line}" for line in moved for t, _ in members]
+                result.notes += [f"{t.original_id}: {line}" for line in (*u.replaced, *moved) for t, _ in members]
                 deps_env = {"PYTHON_PACKAGES": " ".join(packages)}
                 if conda:
                     # SWE-bench's conda environment, solved by conda's own solver (py-rattler) against the site's
@@ -815,10 +864,11 @@ class Buildable:
     requirements: str | None = None  # the spec's requirements file, as SWE-bench reads it
     environment_yml: EnvironmentYml | None = None  # the spec's conda environment file
     environment_yml_path: str = ""  # its path in the repository
+    replaced: tuple[str, ...] = ()  # requirements of those replaced (replaced_packages), a line each
 
 
-def _usable(constants: types.ModuleType, opts: CatalogOptions, repo: str, version: str, members: list,
-            mirror: Repository | str) -> Buildable | str:
+def _usable(constants: types.ModuleType, yanked: tuple[tuple[str, str | None], ...], opts: CatalogOptions, repo: str,
+            version: str, members: list, mirror: Repository | str) -> Buildable | str:
     """What one repo and version's layers are made of, or why it cannot be built."""
     spec = spec_of(constants, repo, version)
     if isinstance(spec, str):
@@ -834,24 +884,29 @@ def _usable(constants: types.ModuleType, opts: CatalogOptions, repo: str, versio
     for commit in sorted({setup_commit, *(t.base_commit for t, _ in members)}):
         if not COMMIT.match(commit) or not mirror.has_commit(commit):
             return f"commit {commit[:40]!r} is not in {mirror.source}"
-    requirements = None
+    requirements, replaced = None, []
     if spec.requirements:
         requirements = requirements_text(mirror, setup_commit, spec.requirements)
         if requirements is None:
             return f"none of {', '.join(spec.requirements)} exists at {setup_commit[:12]} in {mirror.source}"
+        lines, replaced = replace_packages(requirements.splitlines(), yanked)
+        requirements = "".join(f"{line}\n" for line in lines)
     environment_yml, environment_yml_path = None, ""
     for path in spec.environment_yml:
         text = mirror.show(setup_commit, path)
         if text is not None:
             try:
                 environment_yml, environment_yml_path = read_environment_yml(text, path), path
+                pip, more = replace_packages(list(environment_yml.pip), yanked)
+                environment_yml, replaced = dataclasses.replace(environment_yml, pip=tuple(pip)), replaced + more
             except EnvironmentYmlError as e:
                 return f"{e} at {setup_commit[:12]}"
             break
     else:
         if spec.environment_yml:
             return f"none of {', '.join(spec.environment_yml)} exists at {setup_commit[:12]} in {mirror.source}"
-    return Buildable(repo, version, spec, base, mirror, members, requirements, environment_yml, environment_yml_path)
+    return Buildable(repo, version, spec, base, mirror, members, requirements, environment_yml, environment_yml_path,
+                     tuple(replaced))
 
 
 def _repo_env(name: str, parent: str, context: Path, catalog: Path, mirror: Repository, head: str,
