@@ -49,9 +49,36 @@ fi
 # (an older commit asking for an older astroid than the spec's requirements pin) is left to each instance,
 # at its own commit over the untouched environment, as SWE-bench installs. .git/image-builder-installed
 # records what was installed, for the layers above.
+# Held is only right where it is what the install would do anyway: pip under constraints that conflict with
+# what the install asks for does not fail but backtracks to old releases of the new packages (pvlib's
+# `.[all]` over numpy 1.25 took numba 0.53.1, which predates any numpy cap and fails at import, where
+# SWE-bench's pip downgrades numpy under numba 0.57). So a plain `pip install` is first resolved without
+# the constraints (--dry-run --report), and one that would change a held package is not held.
+changes_held() {
+    case "$INSTALL" in
+        *"&"*|*";"*|*"|"*|*'$'*|*'`'*) return 1 ;;  # not one pip command: no dry run
+        "pip install "*|"python -m pip install "*|"pip3 install "*|"python3 -m pip install "*) ;;
+        *) return 1 ;;
+    esac
+    # pip before 22.2 has no --dry-run, and would take PIP_DRY_RUN for nothing and install
+    python -m pip install --help 2>/dev/null | grep -q -- "--dry-run" || return 1
+    PIP_DRY_RUN=1 PIP_REPORT=/tmp/report.json PIP_QUIET=1 sh -ec "$INSTALL" >/dev/null 2>&1 || return 1
+    python - /tmp/held.txt /tmp/report.json <<'PY'
+import json, re, sys
+key = lambda name: re.sub(r"[-_.]+", "-", name).lower()
+held = dict(line.strip().split("==", 1) for line in open(sys.argv[1]) if "==" in line)
+held = {key(name): version for name, version in held.items()}
+changed = [f"{m['name']} {held[key(m['name'])]} -> {m['version']}"
+           for m in (item["metadata"] for item in json.load(open(sys.argv[2])).get("install", []))
+           if key(m["name"]) in held and held[key(m["name"])] != m["version"]]
+if changed:
+    print("image-builder: the install would change " + ", ".join(changed), file=sys.stderr)
+sys.exit(0 if changed else 1)
+PY
+}
 install_held() {
     python -m pip freeze --exclude-editable > /tmp/held.txt
-    if PIP_CONSTRAINT=/tmp/held.txt sh -ec "$INSTALL"; then
+    if ! changes_held && PIP_CONSTRAINT=/tmp/held.txt sh -ec "$INSTALL"; then
         git rev-parse HEAD > .git/image-builder-installed
     elif [ "${INSTALL_AS_INSTANCES:-}" = 1 ]; then
         # Every instance has this commit's install files (the catalog checked): an install that changes the
@@ -63,7 +90,7 @@ install_held() {
     else
         echo "image-builder: installing at $BASE_COMMIT would change the environment's packages; each instance installs at its own commit" >&2
     fi
-    rm -f /tmp/held.txt
+    rm -f /tmp/held.txt /tmp/report.json
 }
 if [ -n "${BASE_COMMIT:-}" ] && git rev-parse -q --verify HEAD >/dev/null; then
     # A checkpoint, over a checkout: PRE_INSTALL's edits carry over where this commit leaves their files as

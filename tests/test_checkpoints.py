@@ -174,3 +174,58 @@ def test_an_install_layer_installs_once_for_its_instances_over_the_untouched_ver
     assert (head, installs.split()) == (c1[:7], [c0[:7]]), "installed once, by the install layer"
     head, installs = run_in(store.resolve("other"), show).splitlines()
     assert (head, installs.split()) == (c2[:7], [c2[:7]]), "its own install, over the untouched version"
+
+
+HELD = PY + """  - name: v
+    from: py
+    scripts: [swebench-repo.sh]
+    context: v
+    env:
+      REPO_BUNDLE: /build/repo.bundle
+      BASE_COMMIT: C0
+      PRE_INSTALL: "python -m pip install -q --no-index --find-links /build/wheels lib==2.0"
+      INSTALL: "python -m pip install --no-index --find-links /build/wheels tool"
+      INSTALL_AS_INSTANCES: "1"
+instances:
+  - id: i
+    environment: v
+    script: swebench-instance.sh
+    context: i
+    env: {BASE_COMMIT: C0, REINSTALL_WHEN: setup.cfg, INSTALL: ""}
+    workdir: /testbed
+"""
+
+
+def wheel(folder: Path, name: str, version: str, *requires: str) -> None:
+    """A pure-Python wheel of nothing but its metadata."""
+    import zipfile
+    dist = f"{name}-{version}.dist-info"
+    files = {f"{name}/__init__.py": f"VERSION = {version!r}\n",
+             f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+                                 + "".join(f"Requires-Dist: {r}\n" for r in requires),
+             f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{dist}/RECORD"] = "".join(f"{path},,\n" for path in [*files, f"{dist}/RECORD"])
+    folder.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(folder / f"{name}-{version}-py3-none-any.whl", "w") as z:
+        for path, text in files.items():
+            z.writestr(path, text)
+
+
+def test_an_install_that_would_move_a_held_package_is_not_held(tmp_path, registries, debian_base):
+    """The install as SWE-bench runs it moves the environment's packages where what it adds needs that: tool
+    2.0 needs lib<2, and pip takes lib 1.0 under it. Held (pip constraints), pip does not fail but backtracks
+    to tool 1.0, which caps nothing (pvlib's `.[all]` over numpy 1.25 took numba 0.53.1, broken at import):
+    the install is asked of pip first without the constraints, and an install that would move a held package
+    is not held."""
+    repo = tmp_path / "repo"
+    subprocess.run([*GIT, "init", "-q", str(repo)], check=True)
+    c0 = commit(repo, {"setup.cfg": "[v]\n0\n"}, "c0")
+    bundle(repo, tmp_path / "v/repo.bundle", c0)
+    bundle(repo, tmp_path / "i/commits.bundle", c0)
+    for version in ("1.0", "2.0"):
+        wheel(tmp_path / "v/wheels", "lib", version)
+    wheel(tmp_path / "v/wheels", "tool", "1.0", "lib")
+    wheel(tmp_path / "v/wheels", "tool", "2.0", "lib<2")
+    store = build(tmp_path, registries, HELD, {"BASE": debian_base, "C0": c0})
+    installed = run_in(store.resolve("i"), ["sh", "-c", "python -m pip freeze | grep -E '^(lib|tool)=='"])
+    assert installed.split() == ["lib==1.0", "tool==2.0"], installed

@@ -548,3 +548,24 @@ def test_cases_asking_one_question_pass_for_one_answer_only(store, user):
         # Before: both passed whenever the page was uncached at the first asking (the 1.0 it took). Now,
         # that way both fail for it; where another run had cached the page, the solution only got one right.
         assert [result["cases"][i]["status"] for i in pair] != ["passed", "passed"], result
+
+
+@pytest.mark.parametrize("user", [None, NOBODY])
+def test_files_of_different_layers_never_share_a_device_and_inode(public_store, public_dir, user):
+    """Every squashfs layer numbers its inodes from 1, and the run's overlay sees the layers through one
+    stacked overlay: without xino on that stack, files of two layers showed the same (st_dev, st_ino) (61
+    pairs in the demo SWE-bench store), and glibc's dlopen, which knows a loaded library by that pair, gave
+    pvlib's run h5py's h5.so for charset_normalizer's md.so (ImportError: no PyInit_md). tar and cp take
+    such files for hard links. A file with one link must be the only one with its pair."""
+    home = public_dir / f"inodes-{user}"
+    home.mkdir(exist_ok=True)
+    if user is not None:
+        os.chown(home, user, user)
+    r = run_cli("run", "--store", str(public_store), "marshmallow-code__marshmallow-1359", "--", "sh", "-c",
+                "find / -xdev -type f -links 1 -printf '%D %i %p\\n' 2>/dev/null | sort -k1,2 > /tmp/all;"
+                " wc -l < /tmp/all; cut -d' ' -f1,2 /tmp/all | uniq -d | head -3",
+                user=user, env={"HOME": str(home), "XDG_RUNTIME_DIR": str(home / "run")})
+    assert r.returncode == 0, r.stderr[-2000:]
+    counted, *shared = r.stdout.splitlines()
+    assert int(counted) > 1000, r.stdout
+    assert not shared, f"files of two layers share a (device, inode): {shared}"

@@ -408,7 +408,8 @@ def test_build_only_takes_globs_and_commas(tmp_path):
 
 def test_auto_cutoff_is_the_day_after_the_newest_pinned_release(tmp_path):
     """Read from a real HTTP index serving PEP 691 JSON: the spec's pins decide, else its repository's, else
-    the table's; an instance made later moves it later; answers are cached, so a rerun asks nothing."""
+    its instances' dates (not before its Python's first year), else the table's; an instance made later moves
+    it later; answers are cached, so a rerun asks nothing."""
     import http.server
     import threading
     from types import SimpleNamespace
@@ -461,7 +462,14 @@ def test_auto_cutoff_is_the_day_after_the_newest_pinned_release(tmp_path):
         assert of("a/pins", "1") == "2024-07-04T00:00:00Z"
         assert of("a/pins", "2") == "2023-08-04T00:00:00Z"
         assert of("b/mp", "2") == "2023-03-08T00:00:00Z", "no pins: its repository's newest"
-        assert of("c/none", "1") == "2024-07-04T00:00:00Z", "none in its repository: the table's newest"
+        assert of("c/none", "1") == "2024-07-04T00:00:00Z", "none in its repository, no dates: the table's newest"
+        assert of("c/none", "1", [{"created_at": "2023-09-13T17:25:47Z"}, {"created_at": "2022-12-09T18:46:50Z"}]) \
+            == "2023-12-13T00:00:00Z", "none in its repository: a season after its instances were made"
+        assert of("c/none", "1", [{"created_at": "2019-08-13T00:00:00Z"}]) == "2022-09-02T00:00:00Z", \
+            "not before setuptools' editable hooks (pip 26 needs them; the cut-off holds for build requirements)"
+        table["c/none"]["2"] = {"python": "3.12", "packages": "pytest"}
+        assert of("c/none", "2", [{"created_at": "2023-10-30T00:00:00Z"}]) == "2024-10-02T00:00:00Z", \
+            "not before its Python (3.12: 2023-10-02) had a year of wheels"
         assert of("b/mp", "1", [{"created_at": "2025-01-02T10:00:00Z"}]) == "2025-01-03T00:00:00Z"
         # A pin with no wheel for the spec's Python moves to the nearest release of its series that has one.
         numpy = spec_of(constants, "d/np", "1")

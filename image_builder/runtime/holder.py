@@ -350,9 +350,19 @@ class Holder:
             target = self._dir("o")
             # A read-only overlay lists the top layer first; one layer needs an empty second.
             lower = ":".join(x.path for x in reversed(layers)) + (":e" if len(layers) == 1 else "")
+            # xino: each layer's inode numbers are its own (every squashfs counts from 1), and the run's overlay
+            # above this one sees one lower file system, so without the layer's number in the high bits two
+            # files of two layers share (st_dev, st_ino): glibc's dlopen took h5py's h5.so for
+            # charset_normalizer's md.so (same pair: "does not define PyInit_md"), and so would tar or cp
+            # taking them for hard links. A kernel that refuses the option mounts without it.
+            options = f"lowerdir={lower}" + ("" if self.kernel else ",userxattr")
             try:
-                mount("layers", target, "overlay", MS_RDONLY | MS_NOSUID | MS_NODEV,
-                      f"lowerdir={lower}" + ("" if self.kernel else ",userxattr"))
+                try:
+                    mount("layers", target, "overlay", MS_RDONLY | MS_NOSUID | MS_NODEV, options + ",xino=on")
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+                    mount("layers", target, "overlay", MS_RDONLY | MS_NOSUID | MS_NODEV, options)
             except OSError:
                 os.rmdir(target)
                 raise
