@@ -798,10 +798,9 @@ SETTLE = timedelta(days=90)
 class Cutoffs:
     """The cut-off day of each repository version: the day after the newest release its spec pins, else
     after the newest its repository's specs pin; a repository that pins nothing resolves SETTLE after its
-    newest instance was made, but not before its Python had been out a year, nor before EDITABLE_HOOKS; without
-    instance dates, after the
-    newest any spec of the table pins (the era of the specs). Never before the day after its newest
-    instance was made."""
+    newest instance was made, but not before its Python had been out a year, nor before EDITABLE_HOOKS
+    (without instance dates: after the newest any spec of the table pins, the era of the specs). Never
+    before the day after its newest instance was made."""
 
     def __init__(self, constants: types.ModuleType, opts: CatalogOptions, cache: Path):
         self.constants, self.opts = constants, opts
@@ -898,7 +897,7 @@ class Buildable:
     requirements: str | None = None  # the spec's requirements file, as SWE-bench reads it
     environment_yml: EnvironmentYml | None = None  # the spec's conda environment file
     environment_yml_path: str = ""  # its path in the repository
-    replaced: tuple[str, ...] = ()  # requirements of those replaced (replaced_packages), a line each
+    replaced: tuple[str, ...] = ()  # what replace_packages replaced in its requirements, a line each
 
 
 def _usable(constants: types.ModuleType, yanked: tuple[tuple[str, str | None], ...], opts: CatalogOptions, repo: str,
