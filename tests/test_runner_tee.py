@@ -337,29 +337,35 @@ git -c user.name=t -c user.email=t@t commit -qm base
 """
 
 
-def test_a_debian_python_without_a_venv_gets_the_copy_too(tmp_path, registries, debian_bullseye_base):
-    """SWE-bench catalogs install into Debian's own Python (no venv): bullseye's sysconfig purelib folder
-    (/usr/lib/python3.X/site-packages) does not exist: the copy (and pytest's guard) went nowhere, and a
-    status line printed at exit passed the test there (crosscheck log-only). Now the .pth goes into the
-    first site-packages folder there is."""
+def build_calc_store(tmp_path: Path, registries, base: str, env_script: str, repo_script: str) -> None:
+    """A store at tmp_path/store: one environment of `base` made by `env_script`, one instance, calc-1, by
+    `repo_script`."""
     from image_builder.build.catalog import load
     from image_builder.build.envbuild import BuildOptions
     from image_builder.build.storebuild import StoreBuildOptions, build_store
-    from image_builder.graders.grading import StoreExecutors
     from image_builder.oci.cache import BlobCache
     from image_builder.oci.registry import RegistryOptions
-    from image_builder.runtime.execution import RunRequest
-    from image_builder.store.store import Store
     (tmp_path / "scripts").mkdir()
-    (tmp_path / "scripts" / "noop.sh").write_text("true\n")
-    (tmp_path / "scripts" / "repo.sh").write_text(MAKE_REPO)
+    (tmp_path / "scripts" / "env.sh").write_text(env_script)
+    (tmp_path / "scripts" / "repo.sh").write_text(repo_script)
     (tmp_path / "catalog.yaml").write_text(
-        f"scripts_dir: scripts\nenvironments:\n  - name: plain\n    base: {debian_bullseye_base}\n    scripts: [noop.sh]\n"
+        f"scripts_dir: scripts\nenvironments:\n  - name: plain\n    base: {base}\n    scripts: [env.sh]\n"
         "instances:\n  - id: calc-1\n    environment: plain\n    script: repo.sh\n    workdir: /testbed\n")
     summary = build_store(load(tmp_path / "catalog.yaml"), StoreBuildOptions(BuildOptions(
         store=tmp_path / "store", cache=BlobCache(tmp_path / "cache"),
         registry=RegistryOptions(ca_cert=registries.tls.cert)), jobs=2))
     assert not summary.failed, [(f.message, f.tail[-10:]) for f in summary.failed]
+
+
+def test_a_debian_python_without_a_venv_gets_the_copy_too(tmp_path, registries, debian_bullseye_base):
+    """SWE-bench catalogs install into Debian's own Python (no venv): bullseye's sysconfig purelib folder
+    (/usr/lib/python3.X/site-packages) does not exist: the copy (and pytest's guard) went nowhere, and a
+    status line printed at exit passed the test there (crosscheck log-only). Now the .pth goes into the
+    first site-packages folder there is."""
+    from image_builder.graders.grading import StoreExecutors
+    from image_builder.runtime.execution import RunRequest
+    from image_builder.store.store import Store
+    build_calc_store(tmp_path, registries, debian_bullseye_base, "true\n", MAKE_REPO)
     with StoreExecutors(Store.open(tmp_path / "store")) as executors:
         executor = executors.for_instance("calc-1")
         probe = executor.run(RunRequest(("sh", "-c", "git rev-parse HEAD; python3 -c 'import sys, sysconfig, os; "
@@ -388,3 +394,48 @@ def test_a_debian_python_without_a_venv_gets_the_copy_too(tmp_path, registries, 
     assert fixed.resolved and fixed.crosscheck == "runner", (fixed.crosscheck, fixed.log[-2000:])
     assert label + " ... ok" in faked.log.splitlines()[-1], faked.log[-2000:]
     assert not faked.resolved and faked.fail_to_pass == {label: "MISMATCH"}, (faked.crosscheck, faked.log[-2000:])
+
+
+# pytest, tox and tox-current-env in Debian's own Python, as a sphinx catalog environment has them.
+TOX_ENV = """set -e
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq && apt-get install -y -qq --no-install-recommends python3-pip >/dev/null
+python3 -m pip install -q --no-cache-dir 'pytest==7.4.4' 'tox==4.11.4' 'tox-current-env==0.0.11'
+"""
+TOX_REPO = MAKE_REPO.replace("git init", "printf '[tox]\\nenvlist = py39\\n\\n[testenv]\\nskip_install = true\\n"
+                             "commands = python -X dev -m pytest -rA {posargs}\\n' > tox.ini\ngit init")
+
+
+def test_a_run_under_tox_is_guarded_too(tmp_path, registries, debian_bullseye_base):
+    """sphinx's test command is `tox --current-env -epy39 -v --`: tox runs pytest with only the variables its
+    passenv lets through, so the guard's settings, once given as variables, never reached it and a patch
+    that rewrites pytest's reports resolved (found on sphinx's instances, session 31). The settings are a
+    file beside the guard now: the same forge under tox fails with the change named."""
+    from image_builder.graders.grading import StoreExecutors
+    from image_builder.runtime.execution import RunRequest
+    from image_builder.store.store import Store
+    build_calc_store(tmp_path, registries, debian_bullseye_base, TOX_ENV, TOX_REPO)
+    source = "def add(a, b):\n    return a - b\n"
+
+    def patched(path: str, old: str, new: str) -> str:
+        return f"diff --git a/{path} b/{path}\n" + ("new file mode 100644\n" if not old else "") + "".join(
+            difflib.unified_diff(old.splitlines(True), new.splitlines(True), f"a/{path}" if old else "/dev/null",
+                                 f"b/{path}"))
+
+    test_patch = patched("tests/test_calc.py", "", "from calc import add\n\n\ndef test_add():\n"
+                                                   "    assert add(1, 2) == 3\n")
+    with StoreExecutors(Store.open(tmp_path / "store")) as executors:
+        executor = executors.for_instance("calc-1")
+        base = executor.run(RunRequest(("git", "rev-parse", "HEAD"))).stdout.decode().strip()
+        fix = patched("calc/__init__.py", source, source.replace("a - b", "a + b"))
+        # sphinx's name: its SWE-bench log parser (pytest's format) reads the run, as a catalog names it
+        task = RepoTask("calc-1", "sphinx-doc/sphinx", base, fix, test_patch, ("tests/test_calc.py::test_add",), (),
+                        "calc-1", test_cmd="tox --current-env -epy39 -v --")
+        fixed, forged = (grade(task, patch, executor, GradeOptions(access=TestAccess.HIDDEN)) for patch in (
+            fix, patched("calc/__init__.py", source, source + FORGED_REPORTS)))
+    assert fixed.passed and fixed.repo.runner_changes == [], (fixed.reason, fixed.repo.log[-3000:])
+    assert "py39: commands[0]" in fixed.repo.log, "tox ran the tests"
+    assert "PASSED tests/test_calc.py::test_add" in forged.repo.log, forged.repo.log[-3000:]
+    assert not forged.passed and forged.reason.startswith(
+        "the candidate's code changed the test runner as the tests ran: _pytest.reports.TestReport."
+        "from_item_and_call replaced (by calc/__init__.py, imported)"), forged.reason
