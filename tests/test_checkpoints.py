@@ -184,7 +184,7 @@ HELD = PY + """  - name: v
       REPO_BUNDLE: /build/repo.bundle
       BASE_COMMIT: C0
       PRE_INSTALL: "python -m pip install -q --no-index --find-links /build/wheels lib==2.0"
-      INSTALL: "python -m pip install --no-index --find-links /build/wheels tool"
+      INSTALL: "python -m pip install --no-index --find-links /build/wheels ."
       INSTALL_AS_INSTANCES: "1"
 instances:
   - id: i
@@ -211,15 +211,38 @@ def wheel(folder: Path, name: str, version: str, *requires: str) -> None:
             z.writestr(path, text)
 
 
+# The checkout: a project built by its own backend, which needs `lib` in its build environment (as a
+# setuptools project needs setuptools there), and which needs `tool` installed.
+PROJECT = {
+    "pyproject.toml": '[build-system]\nrequires = ["lib"]\nbuild-backend = "backend"\nbackend-path = ["."]\n',
+    "backend.py": """import os, zipfile
+import lib  # the build environment's
+
+
+def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
+    name = "proj-1.0-py3-none-any.whl"
+    files = {"proj/__init__.py": "", "proj-1.0.dist-info/METADATA":
+             "Metadata-Version: 2.1\\nName: proj\\nVersion: 1.0\\nRequires-Dist: tool\\n",
+             "proj-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\\nGenerator: t\\nRoot-Is-Purelib: true\\nTag: py3-none-any\\n"}
+    files["proj-1.0.dist-info/RECORD"] = "".join(p + ",,\\n" for p in [*files, "proj-1.0.dist-info/RECORD"])
+    with zipfile.ZipFile(os.path.join(wheel_directory, name), "w") as z:
+        for path, text in files.items():
+            z.writestr(path, text)
+    return name
+""",
+}
+
+
 def test_an_install_that_would_move_a_held_package_is_not_held(tmp_path, registries, debian_base):
     """The install as SWE-bench runs it moves the environment's packages where what it adds needs that: tool
     2.0 needs lib<2, and pip takes lib 1.0 under it. Held (pip constraints), pip does not fail but backtracks
     to tool 1.0, which caps nothing (pvlib's `.[all]` over numpy 1.25 took numba 0.53.1, broken at import):
-    the install is asked of pip first without the constraints, and an install that would move a held package
-    is not held."""
+    the install is asked of pip first without the constraints (a dry run, whose options reach no build
+    environment: given as variables, the build environment's own install was dry too and the project could
+    not be built), and an install that would move a held package is not held."""
     repo = tmp_path / "repo"
     subprocess.run([*GIT, "init", "-q", str(repo)], check=True)
-    c0 = commit(repo, {"setup.cfg": "[v]\n0\n"}, "c0")
+    c0 = commit(repo, {"setup.cfg": "[v]\n0\n", **PROJECT}, "c0")
     bundle(repo, tmp_path / "v/repo.bundle", c0)
     bundle(repo, tmp_path / "i/commits.bundle", c0)
     for version in ("1.0", "2.0"):
@@ -227,5 +250,6 @@ def test_an_install_that_would_move_a_held_package_is_not_held(tmp_path, registr
     wheel(tmp_path / "v/wheels", "tool", "1.0", "lib")
     wheel(tmp_path / "v/wheels", "tool", "2.0", "lib<2")
     store = build(tmp_path, registries, HELD, {"BASE": debian_base, "C0": c0})
-    installed = run_in(store.resolve("i"), ["sh", "-c", "python -m pip freeze | grep -E '^(lib|tool)=='"])
-    assert installed.split() == ["lib==1.0", "tool==2.0"], installed
+    installed = run_in(store.resolve("i"), ["sh", "-c", "python -m pip list | grep -E '^(lib|proj|tool) '"])
+    assert [line.split() for line in installed.splitlines()] == [["lib", "1.0"], ["proj", "1.0"], ["tool", "2.0"]], \
+        installed

@@ -35,7 +35,7 @@ well (repo_history.py, for catalogs written by hand): here it only drops reflogs
 
 Packages the spec does not pin resolve as on the day after the newest release it
 pins (upload_dates.py; the instances' own dates where later; in a repository
-that pins nothing, a season after its instances were made: Cutoffs), recorded in the
+that pins nothing, as its instances were made: Cutoffs), recorded in the
 catalog as PIP_UPLOADED_PRIOR_TO, so a rebuild next year gives the same
 environment. The interpreter is the environment's, as SWE-bench's conda env is:
 tox-current-env links `.tox/*/bin/python` to it, and a link to a venv's python
@@ -789,16 +789,12 @@ PYTHON_RELEASED = {(3, 6): "2016-12-23T00:00:00Z", (3, 7): "2018-06-27T00:00:00Z
 # the weeks after: an earlier cut-off, which holds for build requirements too, fails every setuptools project's
 # `pip install -e .` (marshmallow's at 2021-10-06: "missing the 'build_editable' hook").
 EDITABLE_HOOKS = "2022-09-01T00:00:00Z"
-# SWE-bench's environments were made after their instances, once what the day's releases broke was mended:
-# pvlib-1854 (2023-09-13) resolved on its day takes numpy 1.25 under `pandas scipy`, and numba, which
-# supports it only from 0.58 (2023-09-20), falls back to 0.53, which fails at import.
-SETTLE = timedelta(days=90)
 
 
 class Cutoffs:
     """The cut-off day of each repository version: the day after the newest release its spec pins, else
-    after the newest its repository's specs pin; a repository that pins nothing resolves SETTLE after its
-    newest instance was made, but not before its Python had been out a year, nor before EDITABLE_HOOKS
+    after the newest its repository's specs pin; a repository that pins nothing resolves as its newest
+    instance was made, but not before its Python had been out a year, nor before EDITABLE_HOOKS
     (without instance dates: after the newest any spec of the table pins, the era of the specs). Never
     before the day after its newest instance was made."""
 
@@ -808,7 +804,7 @@ class Cutoffs:
         self._pins: dict[str | None, datetime | None] = {}  # repo (None: the whole table) -> newest pin
         if opts.cutoff == "auto":
             self.origin = (f"the day after the newest release each spec pins (a repository that pins nothing: "
-                           f"a season after its newest instance), from {opts.index_url}")
+                           f"after its newest instance), from {opts.index_url}")
         elif opts.cutoff == "none":
             self.origin = "none (resolved as of the build)"
         else:
@@ -824,14 +820,13 @@ class Cutoffs:
             newest = self.dates.newest(pins(spec.packages)) or self._newest_pin(repo)
             if newest is None and made:
                 # A repository none of whose specs pins anything (django, requests, pvlib, pydicom, sqlfluff,
-                # astroid): a season after its instances were made (SETTLE), not as of the table's newest
-                # pin (2024-07-04, after numpy 2.0 dropped np.Inf, which pvlib 0.10 uses, and pytest 8
-                # dropped the nose-style setup pydicom 2.1's tests use). Never before its Python had a year
-                # of wheels, nor before setuptools had editable installs (the cut-off holds for build
-                # requirements too).
+                # astroid): as its instances were made, not as of the table's newest pin (2024-07-04, after
+                # numpy 2.0 dropped np.Inf, which pvlib 0.10 uses, and pytest 8 dropped the nose-style setup
+                # pydicom 2.1's tests use). Never before its Python had a year of wheels, nor before
+                # setuptools had editable installs (the cut-off holds for build requirements too).
                 released = PYTHON_RELEASED.get(spec.version[:2])
-                newest = max(parse_time(EDITABLE_HOOKS), max(made) + SETTLE,
-                             *([parse_time(released) + timedelta(days=365)] if released else []))
+                newest = max(parse_time(EDITABLE_HOOKS), *([parse_time(released) + timedelta(days=365)]
+                                                           if released else []))
             elif newest is None:
                 newest = self._newest_pin(None)
         except UploadDateError as e:
