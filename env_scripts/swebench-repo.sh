@@ -60,11 +60,9 @@ changes_held() {
         "pip install "*|"python -m pip install "*|"pip3 install "*|"python3 -m pip install "*) ;;
         *) return 1 ;;
     esac
-    # pip before 22.2 has no --dry-run, and would take PIP_DRY_RUN for nothing and install
-    python -m pip install --help 2>/dev/null | grep -q -- "--dry-run" || return 1
-    # Options on the command line, not PIP_* variables: pip's own child that installs the build requirements
-    # into an isolated build environment inherits variables, and a dry run there leaves no setuptools
-    # ("Cannot import 'setuptools.build_meta'": every project with a build step).
+    # Options on the command line (pip before 22.2 refuses them), not PIP_* variables: pip's own child that
+    # installs the build requirements into an isolated build environment inherits variables, and a dry run
+    # there leaves no setuptools ("Cannot import 'setuptools.build_meta'": every project with a build step).
     sh -ec "$INSTALL --dry-run --quiet --report /tmp/report.json" >/dev/null 2>&1 || return 1
     python - /tmp/held.txt /tmp/report.json <<'PY'
 import json, re, sys
