@@ -685,3 +685,32 @@ def test_a_base_of_another_python_is_one_line_before_anything_is_installed(tmp_p
     assert r.returncode == 1 and not (tmp_path / "venv").exists()
     assert r.stderr.startswith(f"error: this base's {sys.executable} is Python {found}, not the 3.")
     assert "--python 3." in r.stderr and len(r.stderr.splitlines()) == 1
+
+
+def test_a_repository_lacking_an_object_says_which_and_what_to_do(tmp_path):
+    """A mirror that lacks an object (a partial or damaged clone: the fetched pvlib and pydicom here lack large
+    data blobs) cannot be bundled; the line names the object and what to do, not git's last word
+    ("error: pack-objects died")."""
+    repo = tmp_path / "repos" / "widgets"
+    repo.mkdir(parents=True)
+    git(repo, "init", "-q")
+    (repo / "data.bin").write_text("a large data file\n")
+    git(repo, "add", "-A")
+    git(repo, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "-m", "c0")
+    (repo / "mod.py").write_text("X = 1\n")
+    git(repo, "add", "-A")
+    git(repo, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "-m", "c1")
+    blob = git(repo, "rev-parse", "HEAD:data.bin").strip()
+    (repo / ".git" / "objects" / blob[:2] / blob[2:]).unlink()
+    head = git(repo, "rev-parse", "HEAD").strip()
+    specs = tmp_path / "specs.yaml"
+    specs.write_text('acme/widgets:\n  versions:\n    "1.0": {python: "3.9", install: "python -m pip install -e ."}\n')
+    dataset = tmp_path / "d.jsonl"
+    dataset.write_text(json.dumps({"repo": "acme/widgets", "instance_id": "acme__widgets-1", "base_commit": head,
+                                   "version": "1.0", "patch": "", "FAIL_TO_PASS": '["t.py::test_x"]',
+                                   "test_patch": "diff --git a/t.py b/t.py\n", "PASS_TO_PASS": "[]"}) + "\n")
+    r = run_cli("swebench", "catalog", str(dataset), "--repos", str(tmp_path / "repos"), "-o", str(tmp_path / "c.yaml"),
+                "--specs", str(specs), "--cutoff", "none", "--python", "3.9=registry.example/python:3.9")
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert f"acme__widgets-1: {repo}: git bundle failed: unable to read {blob} (an object the repository lacks: " \
+           "give a complete clone; `git fsck` lists what is missing)" in r.stderr, r.stderr

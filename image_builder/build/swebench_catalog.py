@@ -391,8 +391,15 @@ class Repository:
         base = ["git", "-c", "core.hooksPath=/dev/null"] + ([] if cwd else ["--git-dir", str(self.git_dir)])
         r = subprocess.run([*base, *args], capture_output=True, text=True, cwd=cwd)
         if r.returncode:
-            why = (r.stderr.strip().splitlines() or ["no output"])[-1]
-            raise SpecError(f"{self.source}: git {args[0]} failed: {why}")
+            lines = r.stderr.strip().splitlines() or ["no output"]
+            # git's cause comes before its last word ("fatal: unable to read OBJECT", then "error: pack-objects
+            # died"): an object the repository lacks, as a partial or damaged clone does
+            missing = next((line for line in lines if "unable to read" in line or "missing" in line), None)
+            if missing:
+                raise SpecError(f"{self.source}: git {args[0]} failed: {missing.removeprefix('fatal: ')} (an "
+                                "object the repository lacks: give a complete clone; `git fsck` lists what is "
+                                "missing)")
+            raise SpecError(f"{self.source}: git {args[0]} failed: {lines[-1]}")
         return r.stdout
 
     def has_commit(self, commit: str) -> bool:
