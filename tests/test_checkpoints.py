@@ -124,14 +124,17 @@ def test_checkpoints_carry_pre_install_and_reinstall_only_where_install_files_ch
     assert edited == "edited = yes" and status.strip() == "M tox.ini" and fix == "none"
 
 
-INSTALL_LAYER = PY + """  - name: v
+# The version's layer at C0 over py, its env's first lines (each catalog adds what it installs).
+VERSION = PY + """  - name: v
     from: py
     scripts: [swebench-repo.sh]
     context: v
     env:
       REPO_BUNDLE: /build/repo.bundle
       BASE_COMMIT: C0
-      # An install that would change the environment's packages: it fails with them held (PIP_CONSTRAINT).
+"""
+
+INSTALL_LAYER = VERSION + """      # An install that would change the environment's packages: it fails with them held (PIP_CONSTRAINT).
       INSTALL: 'test -z "${PIP_CONSTRAINT:-}" && git rev-parse --short=7 HEAD >> /opt/installs'
   - name: v-installed-at-c0
     from: v
@@ -176,14 +179,7 @@ def test_an_install_layer_installs_once_for_its_instances_over_the_untouched_ver
     assert (head, installs.split()) == (c2[:7], [c2[:7]]), "its own install, over the untouched version"
 
 
-HELD = PY + """  - name: v
-    from: py
-    scripts: [swebench-repo.sh]
-    context: v
-    env:
-      REPO_BUNDLE: /build/repo.bundle
-      BASE_COMMIT: C0
-      PRE_INSTALL: "python -m pip install -q --no-index --find-links /build/wheels lib==2.0"
+HELD = VERSION + """      PRE_INSTALL: "python -m pip install -q --no-index --find-links /build/wheels lib==2.0"
       INSTALL: "python -m pip install --no-index --find-links /build/wheels ."
       INSTALL_AS_INSTANCES: "1"
 instances:

@@ -105,6 +105,13 @@ def diff(repo: Path, edit) -> str:
     return out
 
 
+def file_diff(path: str, old: str, new: str) -> str:
+    """A git diff of one file from `old` to `new` (old "": the file is new)."""
+    return f"diff --git a/{path} b/{path}\n" + ("new file mode 100644\n" if not old else "") + "".join(
+        difflib.unified_diff(old.splitlines(True), new.splitlines(True), f"a/{path}" if old else "/dev/null",
+                             f"b/{path}"))
+
+
 @pytest.fixture(scope="module")
 def venv():
     return cached_venv("runners", RUNNER_PACKAGES)
@@ -201,13 +208,10 @@ def test_a_status_line_printed_at_exit_does_not_pass_in_the_store_s_runtime(mars
         label = "test_fixed (tests.test_tee.TeeTests{})".format(".test_fixed" if newer == "True" else "")
         test = ("import unittest\n\nimport marshmallow\n\n\nclass TeeTests(unittest.TestCase):\n"
                 "    def test_fixed(self):\n        self.assertTrue(getattr(marshmallow, 'FIXED', False))\n")
-        test_patch = "".join(difflib.unified_diff([], test.splitlines(True), "/dev/null", "b/tests/test_tee.py"))
-        test_patch = "diff --git a/tests/test_tee.py b/tests/test_tee.py\nnew file mode 100644\n" + test_patch
+        test_patch = file_diff("tests/test_tee.py", "", test)
 
         def patched(tail: str) -> str:
-            new = source + tail
-            return "".join(difflib.unified_diff(source.splitlines(True), new.splitlines(True), f"a/{init}",
-                                                f"b/{init}"))
+            return file_diff(init, source, source + tail)
 
         fix = patched("\nFIXED = True\n")
         forged = patched(f"\nimport atexit, sys\natexit.register(lambda: sys.stderr.write({label + ' ... ok'!r} "
@@ -295,13 +299,11 @@ def test_code_under_test_that_rewrites_pytest_s_reports_does_not_pass(marshmallo
         probe = executor.run(RunRequest(("sh", "-c", f"git rev-parse HEAD; cat {init}")))
         base, source = probe.stdout.decode().split("\n", 1)
         test = "import marshmallow\n\n\ndef test_fixed():\n    assert getattr(marshmallow, 'FIXED', False)\n"
-        test_patch = "".join(f"diff --git a/{path} b/{path}\nnew file mode 100644\n" + "".join(
-            difflib.unified_diff([], text.splitlines(True), "/dev/null", f"b/{path}"))
-            for path, text in (("tests/guard/conftest.py", TRUSTED_CONFTEST), ("tests/guard/test_guard.py", test)))
+        test_patch = file_diff("tests/guard/conftest.py", "", TRUSTED_CONFTEST) + \
+            file_diff("tests/guard/test_guard.py", "", test)
 
         def patched(tail: str) -> str:
-            return "".join(difflib.unified_diff(source.splitlines(True), (source + tail).splitlines(True),
-                                                f"a/{init}", f"b/{init}"))
+            return file_diff(init, source, source + tail)
 
         task = RepoTask(iid, "marshmallow-code/marshmallow", base, patched("\nFIXED = True\n"), test_patch,
                         (test_id,), (), iid, test_cmd="pytest -rA")
@@ -376,14 +378,11 @@ def test_a_debian_python_without_a_venv_gets_the_copy_too(tmp_path, registries, 
         label = "test_add (tests.test_calc.CalcTests{})".format(".test_add" if facts[0] == "True" else "")
         test = ("import unittest\n\nfrom calc import add\n\n\nclass CalcTests(unittest.TestCase):\n"
                 "    def test_add(self):\n        self.assertEqual(add(1, 2), 3)\n")
-        test_patch = "diff --git a/tests/test_calc.py b/tests/test_calc.py\nnew file mode 100644\n" + "".join(
-            difflib.unified_diff([], test.splitlines(True), "/dev/null", "b/tests/test_calc.py")) + \
-            "diff --git a/tests/__init__.py b/tests/__init__.py\nnew file mode 100644\n"
+        test_patch = file_diff("tests/test_calc.py", "", test) + file_diff("tests/__init__.py", "", "")
         source = "def add(a, b):\n    return a - b\n"
 
         def patched(new: str) -> str:
-            return "diff --git a/calc/__init__.py b/calc/__init__.py\n" + "".join(difflib.unified_diff(
-                source.splitlines(True), new.splitlines(True), "a/calc/__init__.py", "b/calc/__init__.py"))
+            return file_diff("calc/__init__.py", source, new)
 
         fix = patched("def add(a, b):\n    return a + b\n")
         forged = patched(source + f"\nimport atexit, sys\natexit.register(lambda: sys.stderr.write({label + ' ... ok'!r}"
@@ -417,22 +416,17 @@ def test_a_run_under_tox_is_guarded_too(tmp_path, registries, debian_bullseye_ba
     build_calc_store(tmp_path, registries, debian_bullseye_base, TOX_ENV, TOX_REPO)
     source = "def add(a, b):\n    return a - b\n"
 
-    def patched(path: str, old: str, new: str) -> str:
-        return f"diff --git a/{path} b/{path}\n" + ("new file mode 100644\n" if not old else "") + "".join(
-            difflib.unified_diff(old.splitlines(True), new.splitlines(True), f"a/{path}" if old else "/dev/null",
-                                 f"b/{path}"))
-
-    test_patch = patched("tests/test_calc.py", "", "from calc import add\n\n\ndef test_add():\n"
+    test_patch = file_diff("tests/test_calc.py", "", "from calc import add\n\n\ndef test_add():\n"
                                                    "    assert add(1, 2) == 3\n")
     with StoreExecutors(Store.open(tmp_path / "store")) as executors:
         executor = executors.for_instance("calc-1")
         base = executor.run(RunRequest(("git", "rev-parse", "HEAD"))).stdout.decode().strip()
-        fix = patched("calc/__init__.py", source, source.replace("a - b", "a + b"))
+        fix = file_diff("calc/__init__.py", source, source.replace("a - b", "a + b"))
         # sphinx's name: its SWE-bench log parser (pytest's format) reads the run, as a catalog names it
         task = RepoTask("calc-1", "sphinx-doc/sphinx", base, fix, test_patch, ("tests/test_calc.py::test_add",), (),
                         "calc-1", test_cmd="tox --current-env -epy39 -v --")
         fixed, forged = (grade(task, patch, executor, GradeOptions(access=TestAccess.HIDDEN)) for patch in (
-            fix, patched("calc/__init__.py", source, source + FORGED_REPORTS)))
+            fix, file_diff("calc/__init__.py", source, source + FORGED_REPORTS)))
     assert fixed.passed and fixed.repo.runner_changes == [], (fixed.reason, fixed.repo.log[-3000:])
     assert "py39: commands[0]" in fixed.repo.log, "tox ran the tests"
     assert "PASSED tests/test_calc.py::test_add" in forged.repo.log, forged.repo.log[-3000:]

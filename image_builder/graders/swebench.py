@@ -404,14 +404,11 @@ class RunFacts:
 
     def artifacts(self, script: str, patch: str) -> dict[str, str]:
         """SWE-bench's per-instance files (eval.sh, patch, test output) and the facts themselves."""
-        junit = self.notes.get("junit", "none")
         files = {"eval.sh": script, "model.patch": patch, "test_output.txt": self.test_log or "",
                  "run.json": json.dumps(asdict(self), indent=1)}
-        if junit != "none":
-            try:
-                files["junit.xml"] = base64.b64decode(junit, validate=True).decode("utf-8", "replace")
-            except (ValueError, binascii.Error):
-                pass
+        junit = _decoded(self.notes.get("junit"))
+        if junit is not None:
+            files["junit.xml"] = junit
         return files
 
     @classmethod
@@ -600,9 +597,10 @@ def _infra_changes(notes: dict[str, str], access: TestAccess, infra: list[str]) 
 
 def _runner_changes(notes: dict[str, str]) -> list[str]:
     """What runner_tee.py's guard recorded (its note; none without one), at most 20 lines of 300 bytes."""
-    try:
-        text = base64.b64decode(notes.get("guard", ""), validate=True).decode("utf-8", "replace")
-    except (ValueError, binascii.Error):
+    if "guard" not in notes:
+        return []
+    text = _decoded(notes["guard"])
+    if text is None:
         return ["the guard's record is unreadable"]
     lines = [line[:300] for line in text.splitlines() if line.strip()]
     return lines[:20] + ([f"... and {len(lines) - 20} more"] if len(lines) > 20 else [])
