@@ -339,9 +339,11 @@ git -c user.name=t -c user.email=t@t commit -qm base
 """
 
 
-def build_calc_store(tmp_path: Path, registries, base: str, env_script: str, repo_script: str) -> None:
+def build_calc_store(tmp_path: Path, registries, base: str, env_script: str, repo_script: str,
+                     grader: dict | None = None) -> None:
     """A store at tmp_path/store: one environment of `base` made by `env_script`, one instance, calc-1, by
-    `repo_script`."""
+    `repo_script`, with `grader`'s metadata."""
+    import json
     from image_builder.build.catalog import load
     from image_builder.build.envbuild import BuildOptions
     from image_builder.build.storebuild import StoreBuildOptions, build_store
@@ -352,7 +354,8 @@ def build_calc_store(tmp_path: Path, registries, base: str, env_script: str, rep
     (tmp_path / "scripts" / "repo.sh").write_text(repo_script)
     (tmp_path / "catalog.yaml").write_text(
         f"scripts_dir: scripts\nenvironments:\n  - name: plain\n    base: {base}\n    scripts: [env.sh]\n"
-        "instances:\n  - id: calc-1\n    environment: plain\n    script: repo.sh\n    workdir: /testbed\n")
+        "instances:\n  - id: calc-1\n    environment: plain\n    script: repo.sh\n    workdir: /testbed\n"
+        + (f"    grader: {json.dumps(grader)}\n" if grader else ""))
     summary = build_store(load(tmp_path / "catalog.yaml"), StoreBuildOptions(BuildOptions(
         store=tmp_path / "store", cache=BlobCache(tmp_path / "cache"),
         registry=RegistryOptions(ca_cert=registries.tls.cert)), jobs=2))

@@ -12,6 +12,7 @@ import pytest
 
 from image_builder.build.catalog import load
 from image_builder.build.checkpoints import DEPTH, place
+from image_builder.build.swebench_catalog import REINSTALL_WHEN
 from tests.conftest import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -414,7 +415,7 @@ def test_auto_cutoff_is_the_day_after_the_newest_pinned_release(tmp_path):
     import threading
     from types import SimpleNamespace
 
-    from image_builder.build.swebench_catalog import CatalogOptions, Cutoffs, spec_of
+    from image_builder.build.swebench_catalog import REINSTALL_WHEN, CatalogOptions, Cutoffs, spec_of
 
     files = {"tox": [("tox-4.16.0-py3-none-any.whl", "2024-07-03T03:29:14Z"), ("tox-4.16.0.tar.gz", "2024-07-03T04:00:00Z")],
              "mpmath": [("mpmath-1.3.0-py3-none-any.whl", "2023-03-07T16:47:09Z")],
@@ -656,6 +657,9 @@ def test_a_specs_file_builds_a_repository_swebench_has_no_spec_for(tmp_path):
     inst = load(tmp_path / "c.yaml").instances["acme__widgets-1"]
     assert inst.test_command == "pytest -rA -x" and inst.grader["log_parser"] == "parse_log_pytest_v2"
     assert "and specs.yaml." in (tmp_path / "c.yaml").read_text().splitlines()[0]
+    # the install SWE-bench's eval script runs again, for the grader: an editable one after a patch to its
+    # metadata or compiled sources
+    assert inst.grader["install"] == {"command": "python -m pip install -e .", "when": REINSTALL_WHEN.split()}
 
     dataset = tmp_path / "c.jsonl"
     for text, message in (
@@ -672,6 +676,21 @@ def test_a_specs_file_builds_a_repository_swebench_has_no_spec_for(tmp_path):
         last = r.stderr.strip().splitlines()[-1]
         assert last.startswith(f"Error: {specs}") and message in last, last
         assert not (tmp_path / "bad.yaml").exists()
+
+
+def test_an_install_that_copies_the_package_is_stale_after_any_change(tmp_path):
+    """django 2.2's `python setup.py install` (and requests' `pip install .`) copies the package: the tests
+    import the copy, so an instance whose base commit differs from its layer's in any file installs again,
+    and so does the grader after any candidate patch; the layer's install used to be kept unless setup.py or
+    a compiled source changed (the tests then ran the layer's commit's code)."""
+    specs = tmp_path / "specs.yaml"
+    specs.write_text('acme/widgets:\n  versions:\n    "1.0": {python: "3.9", install: "python setup.py install",\n'
+                     '            test_cmd: "pytest -rA"}\n')
+    _marshmallow_with(tmp_path, {"widgets.py": "X = 1\n"}, "--specs", str(specs), "--cutoff", "none",
+                      row={"repo": "acme/widgets", "version": "1.0", "instance_id": "acme__widgets-1"})
+    inst = load(tmp_path / "c.yaml").instances["acme__widgets-1"]
+    assert inst.grader["install"] == {"command": "python setup.py install", "when": ["."]}
+    assert inst.env["REINSTALL_WHEN"] == "."
 
 
 def test_a_base_of_another_python_is_one_line_before_anything_is_installed(tmp_path):

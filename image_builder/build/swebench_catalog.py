@@ -102,8 +102,11 @@ COMMIT = re.compile(r"^[0-9a-f]{40}$")
 REPO = re.compile(r"^[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+$")
 # A version names environments and directories of the context: a plain token, never a path.
 VERSION = re.compile(r"^[A-Za-z0-9_+-][A-Za-z0-9._+-]*$")
-# What makes an editable install stale: its metadata, or compiled extensions.
-REINSTALL_WHEN = "setup.py setup.cfg pyproject.toml *.pyx *.pxd *.c *.cpp *.h"
+# What makes an editable install stale (git pathspecs): its metadata, or compiled extensions' sources
+# (Cython's, its Tempita templates (scikit-learn's *.pyx.tp), C, C++). An install that copies the package
+# (`pip install .`, django 2.2's `setup.py install`: the tests import the copy) is made stale by any file.
+REINSTALL_WHEN = "setup.py setup.cfg pyproject.toml *.pyx *.pxd *.pxi *.tp *.c *.cc *.cpp *.h *.hpp"
+EDITABLE = re.compile(r"(?:^|\s)(?:-e|--editable)(?:[\s=]|$)|\bsetup\.py\s+develop\b")
 
 
 class SpecError(ImageBuilderError):
@@ -136,8 +139,17 @@ class Spec:
         return next((pip for at_least, pip in PIPS.items() if self.version >= at_least), "")
 
     @property
+    def stale_when(self) -> str:
+        """The pathspecs whose change makes this spec's install stale (REINSTALL_WHEN)."""
+        return stale_when(self.install)
+
+    @property
     def old_pip_options(self) -> bool:
         return any(o in " ".join((self.install, *self.pre_install)) for o in OLD_PIP_OPTIONS)
+
+
+def stale_when(install: str) -> str:
+    return REINSTALL_WHEN if EDITABLE.search(install) else "."
 
 
 @dataclass
@@ -411,9 +423,9 @@ class Repository:
         return subprocess.run(["git", "--git-dir", str(self.git_dir), "diff", "--quiet", a, b, "--", *pathspecs],
                               capture_output=True).returncode == 0
 
-    def install_files(self, a: str, b: str) -> str:
-        """How commit `b`'s install files (REINSTALL_WHEN) differ from `a`'s: equal for two commits with the same."""
-        return self._git("diff", "--raw", "--no-abbrev", a, b, "--", *REINSTALL_WHEN.split())
+    def install_files(self, a: str, b: str, when: str) -> str:
+        """How commit `b`'s install files (pathspecs `when`) differ from `a`'s: equal for two commits with the same."""
+        return self._git("diff", "--raw", "--no-abbrev", a, b, "--", *when.split())
 
     def is_ancestor(self, a: str, b: str) -> bool:
         return subprocess.run(["git", "--git-dir", str(self.git_dir), "merge-base", "--is-ancestor", a, b],
@@ -665,7 +677,7 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
                                         mirror, merge_base, histories[repo, spec.python],
                                         {"BASE_COMMIT": merge_base, "PRE_INSTALL": "\n".join(spec.pre_install),
                                          "INSTALL": spec.install})
-                if all(mirror.same_files(merge_base, t.base_commit, REINSTALL_WHEN.split()) for t, _ in members):
+                if all(mirror.same_files(merge_base, t.base_commit, spec.stale_when.split()) for t, _ in members):
                     # Each instance would install from these same files over the same environment: where the
                     # install changes the environment's packages (sphinx's pre_install pins Jinja2<3.0 against
                     # the deps layer's 3.0.3), it is done once here instead of in every instance (21 MB each).
@@ -692,13 +704,13 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
                     try:
                         added.append(_repo_env(name, parent, context / "envs" / name, opts.out, mirror,
                                                checkpoint.commit, since, {"BASE_COMMIT": checkpoint.commit,
-                                                                          "REINSTALL_WHEN": REINSTALL_WHEN}))
+                                                                          "REINSTALL_WHEN": spec.stale_when}))
                         layers[checkpoint] = name, checkpoint.commit
                     except SpecError:  # an unreadable object: its instances' own bundles say which are left out
                         layers[checkpoint] = layers[checkpoint.parent]
                 sits = {t.base_commit: layers[below[t.base_commit]] for t, _ in members}
                 if "INSTALL_AS_INSTANCES" not in version_env["env"]:
-                    added += _install_layers(env_name, sits, mirror, context, opts.out)
+                    added += _install_layers(env_name, sits, mirror, context, opts.out, spec.stale_when)
             except SpecError as e:
                 result.skipped.extend(f"{t.original_id}: {e}" for t, _ in members)
                 continue
@@ -728,9 +740,9 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
                               "environment": layer, "script": "swebench-instance.sh",
                               "context": _relative(context / "instances", opts.out.parent) + "/{instance_file}",
                               "env": {"BASE_COMMIT": "{base_commit}", "INSTALL": install, "PRE_INSTALL": pre_install,
-                                      "REINSTALL_WHEN": REINSTALL_WHEN},
+                                      "REINSTALL_WHEN": stale_when(install)},
                               "workdir": WORKDIR, "test_command": test_cmd, "timeout": 3600,
-                              **({"grader": {"log_parser": parsers[repo]}} if repo in parsers else {})}
+                              **_grader(parsers.get(repo), install)}
                              for (repo, layer, test_cmd, install, pre_install), ids in sorted(sets.items())]}
     also = f" and {opts.specs.name}" if opts.specs else ""
     header = (f"# Generated by image-builder swebench catalog from {opts.dataset.name} and the specs of swebench "
@@ -745,32 +757,42 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
 
 
 def _install_layers(version: str, sits: dict[str, tuple[str, str]], mirror: Repository, context: Path,
-                    catalog: Path) -> list[dict]:
+                    catalog: Path, when: str) -> list[dict]:
     """Layers that install once for instances that would each install alike. Where a version's instances
     differ in their install files, an instance whose files are not its layer's, or whose layer left the
     install to each (it would change the environment's packages: sphinx's pre_install pins Jinja2<3.0 against
     the deps layer's 3.0.3), installs in its own overlay: 21-24 MB apiece on sphinx. Two or more on one layer
     (`sits`: base commit -> (layer, its commit), updated here) with the same install files, which their
     merge-base has too, get a layer at that merge-base that installs as they would (INSTALL_AS_INSTANCES),
-    and sit on it; the rest keep the untouched layer, as SWE-bench installs each over its environment."""
+    and sit on it; the rest keep the untouched layer, as SWE-bench installs each over its environment.
+    `when`: the pathspecs that make the install stale."""
     groups: dict[tuple[str, str, str], list[str]] = {}
     for commit, (layer, at) in sits.items():
-        groups.setdefault((layer, at, mirror.install_files(at, commit)), []).append(commit)
+        groups.setdefault((layer, at, mirror.install_files(at, commit, when)), []).append(commit)
     added: list[dict] = []
     for (layer, at, _), commits in groups.items():
         base = mirror.merge_base(commits)
         name = f"{version}-installed-at-{base[:12]}"
         if (len(commits) < 2 or any(env["name"] == name for env in added) or not mirror.is_ancestor(at, base)
-                or not all(mirror.same_files(base, c, REINSTALL_WHEN.split()) for c in commits)):
+                or not all(mirror.same_files(base, c, when.split()) for c in commits)):
             continue
         try:
             added.append(_repo_env(name, layer, context / "envs" / name, catalog, mirror, base, at,
-                                   {"BASE_COMMIT": base, "REINSTALL_WHEN": REINSTALL_WHEN,
+                                   {"BASE_COMMIT": base, "REINSTALL_WHEN": when,
                                     "INSTALL_AS_INSTANCES": "1"}))
         except SpecError:  # an unreadable object: they keep their layer
             continue
         sits.update((c, (name, base)) for c in commits)
     return added
+
+
+def _grader(log_parser: str | None, install: str) -> dict:
+    """An instance set's metadata for graders: SWE-bench's parser for the repository, and the install its
+    eval script runs again (graders/swebench.py Reinstall: only after a patch that makes it stale)."""
+    grader = {"log_parser": log_parser} if log_parser else {}
+    if install.strip():
+        grader["install"] = {"command": install, "when": stale_when(install).split()}
+    return {"grader": grader} if grader else {}
 
 
 def _no_pep660(pyproject: str | None) -> bool:

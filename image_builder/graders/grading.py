@@ -85,7 +85,7 @@ class StoreExecutors:
         session opens at the first run."""
         resolved = self.store.resolve(instance_id)
         return _InstanceExecutor(self, InstanceLayers.of(resolved), resolved.test_command,
-                                 resolved.grader.get("log_parser"))
+                                 resolved.grader.get("log_parser"), resolved.grader.get("install"))
 
     def _acquire(self, key: tuple, layers: InstanceLayers) -> Session:
         with self._lock:
@@ -148,12 +148,13 @@ class _InstanceExecutor:
     """What a grader is given: each run borrows its instance's session from the pool."""
 
     def __init__(self, pool: StoreExecutors, layers: InstanceLayers, test_command: str | None,
-                 log_parser: object = None):
+                 log_parser: object = None, install: object = None):
         self._pool, self._layers = pool, layers
         # Sessions are shared by layers: instances that add nothing to one environment share its session.
         self._key = layers.env_sif, layers.overlays, layers.workdir, tuple(sorted(layers.env.items()))
         self.test_command = test_command  # the catalog's, for repo graders (swebench.resolve_test_command)
         self.log_parser = log_parser  # SWE-bench's parser for the repository, as the catalog names it
+        self.install = install  # the catalog's {command, when}: the install a stale patch repeats (swebench.py)
 
     def run(self, request: RunRequest) -> RunResult:
         with self._session() as session:

@@ -66,6 +66,8 @@ class RepoReport:
     # changes the candidate's code made to the test runner as the tests ran (runner_tee.py's guard), as
     # "_pytest.reports.TestReport.from_item_and_call set (src/pkg/__init__.py:12)": fails the run but in open mode
     runner_changes: list[str] = field(default_factory=list)
+    # the environment's install run again after the candidate patch (its exit status; None: not run)
+    reinstall_exit_code: int | None = None
     apply_log: str = ""
     log: str = ""  # the test command's output, between the run's markers
     network: bool = False  # the tests ran with the network (grade --net)

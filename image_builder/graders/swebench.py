@@ -61,6 +61,12 @@ the command; SWE-bench's function when `swebench` is installed, ours otherwise.
 The pytest runner is recognised by the command (`pytest`, or `tox ... --` for a
 pytest-format parser: sphinx), not by the parser's name.
 
+The install SWE-bench's eval script runs before the tests runs here where the candidate patch makes the
+environment's install stale (Reinstall, the catalog's `grader.install`): its metadata or compiled sources
+for an editable install, any file for one that copies the package. It runs the candidate's setup.py before
+the runner starts; install_check.py, started before it, fails the run if it changed anything beyond the
+project's own installed entries (RepoReport.runner_changes, "the install ...").
+
 `resolved` as SWE-bench defines it: every FAIL_TO_PASS and PASS_TO_PASS test
 passed (PASSED or XFAIL); FAILED, ERROR, missing or mismatched tests fail;
 SKIPPED tests count for neither side. A run without the network (no `grade --net`) whose failing tests
@@ -71,6 +77,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import fnmatch
 import json
 import re
 import secrets
@@ -324,6 +331,27 @@ for py in {pythons}; do
     && echo "import _ib_runner_tee" > "$s/_ib_runner_tee.pth" && TEED+=("$s")
 done
 """
+# SWE-bench's eval script runs the spec's install before the tests, every time; here only after a candidate
+# patch that makes the environment's install stale (Reinstall.needed), watched by install_check.py: started
+# before it, given the nonce on its stdin, it answers a line that starts with the nonce, after a go that is
+# the nonce, so the install's code can neither start the comparison early nor forge its answer. Offline,
+# pip looks at no index (an isolated build's requirements fail at once, not after its retries).
+_REINSTALL = r"""reinstall() {{
+  PY=$(command -v python || command -v python3) || {{ note reinstall none; return; }}
+  coproc CHECK {{ "$PY" -I -S "$G/install_check.py" "$PWD" {runner} 2>"$G/check.err" 3>&-; }}
+  exec 7<&"${{CHECK[0]}}" 8>&"${{CHECK[1]}}"
+  printf '%s\n' "$NONCE" >&8
+  read -r -t 600 ready <&7
+  PIP_CONFIG_SETTINGS=editable_mode=compat PIP_NO_CACHE_DIR=1 PIP_NO_INPUT=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONDONTWRITEBYTECODE=1 {offline}sh -c {command} </dev/null 3>&- 7<&- 8>&-
+  note reinstall "$?"
+  (printf '%s\n' "$NONCE" >&8) 2>/dev/null  # a subshell: a stopped check's pipe would end the script
+  while read -r -t 600 line <&7; do
+    case "$line" in "$NONCE "*) note install-changes "$(printf '%s' "${{line#"$NONCE "}}" | base64 -w0)"; break;; esac
+  done
+  exec 7<&- 8>&-
+}}
+"""
 _GUARD_SETTINGS = '"GUARD=$J/guard.log" "JUNIT=$J/junit.xml" "REPO=$PWD" "CANDIDATE_FILES=$G/candidate-files"'
 _TEE_SETTINGS = '"TEE=$J/runner.log"'
 _HOOK_OFF = r"""for s in ${TEED[@]+"${TEED[@]}"}; do rm -f "$s/_ib_runner_tee.py" "$s/_ib_runner_tee.pth" "$s/_ib_runner_tee.cfg"; done
@@ -333,6 +361,31 @@ _TEE_NOTE = _HOOK_OFF + r"""if [ -e "$J/runner.log" ]; then note runner "$(base6
 _GUARD_NOTE = _HOOK_OFF + r"""if [ -s "$J/guard.log" ]; then note guard "$(base64 -w0 < "$J/guard.log")"; fi
 """
 RUNNER_TEE = resources.files(__package__).joinpath("runner_tee.py").read_text()
+INSTALL_CHECK = resources.files(__package__).joinpath("install_check.py").read_text()
+
+
+@dataclass(frozen=True)
+class Reinstall:
+    """The environment's install, run again after a candidate patch that makes it stale: the catalog's
+    `grader.install`, {command, when}; `when` holds git pathspecs (`setup.py`, `*.pyx`; `.` for an install
+    that copies the package, which any change makes stale)."""
+    command: str
+    when: tuple[str, ...]
+
+    @classmethod
+    def of(cls, value: object) -> Reinstall | None:
+        if not isinstance(value, dict) or not isinstance(value.get("command"), str) or not value["command"].strip():
+            return None
+        when = value.get("when")
+        if not isinstance(when, list) or not all(isinstance(w, str) for w in when):
+            return None
+        return cls(value["command"], tuple(when))
+
+    def needed(self, paths: list[str]) -> bool:
+        """Whether a patch touching `paths` makes the install stale (git's pathspec matching: a glob's `*`
+        crosses folders)."""
+        return any(spec in (".", ":/") or path == spec or path.startswith(spec.rstrip("/") + "/")
+                   or fnmatch.fnmatchcase(path, spec) for spec in self.when for path in paths)
 
 
 def grade_repo(task: RepoTask, patch: str, executor: Executor, options: GradeOptions) -> GradeResult:
@@ -358,12 +411,16 @@ def grade_repo(task: RepoTask, patch: str, executor: Executor, options: GradeOpt
     command = " ".join([test_cmd, *(['--junitxml="$J/junit.xml"'] if pytest else []),
                         *(["-p", "no:cacheprovider"] if pytest and "no:cacheprovider" not in test_cmd else []),
                         *map(shlex.quote, directives_for(task.repo, test_files))])
+    reinstall = Reinstall.of(getattr(executor, "install", None))
     script = eval_script(task.base_commit, options.access, [*test_patch_paths, *reverted], command,
-                         infra=[f"{kind}:{p}" for kind, p in infra], python=options.python, junit=pytest)
+                         infra=[f"{kind}:{p}" for kind, p in infra], python=options.python, junit=pytest,
+                         reinstall=reinstall.command if reinstall and reinstall.needed(candidate_paths) else None,
+                         offline=not options.repo_network)
     nonce = secrets.token_hex(16)
     files = {f"{GRADER_DIR}/eval.sh": script, f"{GRADER_DIR}/nonce": nonce, f"{GRADER_DIR}/model.patch": patch,
              f"{GRADER_DIR}/test.patch": task.test_patch, f"{GRADER_DIR}/infra.py": INFRA_SCRIPT,
-             f"{GRADER_DIR}/runner_tee.py": RUNNER_TEE, f"{GRADER_DIR}/candidate-files": "\0".join(candidate_paths)}
+             f"{GRADER_DIR}/runner_tee.py": RUNNER_TEE, f"{GRADER_DIR}/install_check.py": INSTALL_CHECK,
+             f"{GRADER_DIR}/candidate-files": "\0".join(candidate_paths)}
     result = executor.run(RunRequest(argv=("bash", f"{GRADER_DIR}/eval.sh"),
                                      files={k: v.encode() for k, v in files.items()}, env=dict(options.env),
                                      timeout=options.repo_timeout, memory_mb=options.repo_memory_mb,
@@ -474,10 +531,12 @@ def directives_for(repo: str, test_files: list[str]) -> list[str]:
 
 
 def eval_script(base_commit: str, access: TestAccess, reset_paths: list[str], command: str,
-                infra: list[str] = (), python: str = "python3", junit: bool = True) -> str:
+                infra: list[str] = (), python: str = "python3", junit: bool = True, reinstall: str | None = None,
+                offline: bool = True) -> str:
     """`infra`: the candidate's test-infrastructure paths as kind:path (see access.infrastructure_kind).
     `junit`: the command writes $J/junit.xml (pytest); otherwise the runner's own output is copied
-    (runner_tee.py, from $G/runner_tee.py)."""
+    (runner_tee.py, from $G/runner_tee.py). `reinstall`: the install command to run again once the patches
+    are in place (watched by $G/install_check.py); `offline`: the run has no network."""
     steps = {
         TestAccess.OPEN: ["apply_tests", "snapshot_infra {infra}", "apply_candidate", "infra check {infra}"],
         TestAccess.READ_ONLY: ["snapshot_infra {infra}", "apply_tests", "apply_candidate", "infra restore {infra}",
@@ -490,6 +549,11 @@ def eval_script(base_commit: str, access: TestAccess, reset_paths: list[str], co
     paths = " ".join(shlex.quote(p) for p in dict.fromkeys(reset_paths))
     infra_args = " ".join(shlex.quote(a) for a in dict.fromkeys(infra))
     head = _SCRIPT_HEAD.format(dir=GRADER_DIR, base=shlex.quote(base_commit), python=shlex.quote(python))
+    if reinstall:
+        runner = shlex.quote(command.split()[0].rsplit("/", 1)[-1]) if command.split() else "''"
+        head += _REINSTALL.format(command=shlex.quote(reinstall), offline="PIP_NO_INDEX=1 " if offline else "",
+                                  runner=runner)
+        steps = [*steps, "reinstall"]
     body = "\n".join(step.format(paths=paths, infra=infra_args) for step in steps)
     pythons = " ".join(map(shlex.quote, dict.fromkeys(("python", "python3", python))))
     tail = _SCRIPT_TAIL.format(command=command, tee_on=_HOOK_ON.format(
@@ -559,11 +623,14 @@ def judge(task: RepoTask, run: Run, access: TestAccess, reverted: list[str], tes
             statuses[test] = whole[test].value if test in whole else MISSING
             crosscheck = "junit, swebench-log" if crosscheck == "junit" else crosscheck
     report = _report(task, run, access, reverted, test_cmd, statuses, crosscheck, mismatches, **extra)
-    report.runner_changes = _runner_changes(notes)
+    report.runner_changes = _install_changes(notes) + _runner_changes(notes)
     if report.runner_changes and access is not TestAccess.OPEN:
         report.resolved = False
+        how = ("the candidate's install changed the test runner's environment"
+               if report.runner_changes[0].startswith(INSTALL_CHANGE)
+               else "the candidate's code changed the test runner as the tests ran")
         return GradeResult(task.task_id, "repo", TaskStatus.FAILED, reason=(
-            f"the candidate's code changed the test runner as the tests ran: {report.runner_changes[0]}"
+            f"{how}: {report.runner_changes[0]}"
             + (f" and {len(report.runner_changes) - 1} more" if len(report.runner_changes) > 1 else "")),
             repo=report)
     failing = [t for t, s in {**report.fail_to_pass, **report.pass_to_pass}.items()
@@ -593,6 +660,23 @@ def _infra_changes(notes: dict[str, str], access: TestAccess, infra: list[str]) 
         return [path if what == "file" else f"{path} {what}" for path, what in found]
     except (KeyError, ValueError, TypeError):
         return list(infra)  # the merge did not run (infra-fallback: whole files restored) or no note at all
+
+
+INSTALL_CHANGE = "the install "  # how install_check.py's lines start
+
+
+def _install_changes(notes: dict[str, str]) -> list[str]:
+    """What the repeated install changed beyond the project's own files (install_check.py's answer); none
+    when the run did not install again; one line when the check gave no answer."""
+    if notes.get("reinstall", "none") == "none":
+        return []
+    try:
+        found = json.loads(_decoded(notes.get("install-changes")) or "")
+    except ValueError:
+        found = None
+    if not isinstance(found, list):
+        return [f"{INSTALL_CHANGE}check gave no answer (its process was stopped, or could not take stock)"]
+    return [str(line)[:300] for line in found[:20]]
 
 
 def _runner_changes(notes: dict[str, str]) -> list[str]:
@@ -713,11 +797,12 @@ def _report(task: RepoTask, run: Run, access: TestAccess, reverted: list[str], t
     # SWE-bench with empty FAIL_TO_PASS and PASS_TO_PASS: resolved once the test output is complete
     ran = bool(statuses) if outcomes else run.finished and not run.timed_out
     resolved = ran and all(s in _SUCCESS or s in _NEUTRAL for s in outcomes)
-    exit_note = run.notes.get("exit", "")
+    exit_note, reinstall_note = run.notes.get("exit", ""), run.notes.get("reinstall", "")
     applied = run.notes.get("model")
     return RepoReport(access=access.value, patch_applied_with=None if applied in (None, "none") else applied,
                       reverted_files=reverted, test_command=test_cmd,
                       test_exit_code=int(exit_note) if exit_note.isdigit() else None,
+                      reinstall_exit_code=int(reinstall_note) if reinstall_note.isdigit() else None,
                       timed_out=run.timed_out, fail_to_pass=fail_to_pass, pass_to_pass=pass_to_pass,
                       resolved=resolved, crosscheck=crosscheck, mismatches=mismatches,
                       dropped_changes=list(infra) if access is not TestAccess.OPEN else [],

@@ -1,0 +1,104 @@
+"""The install SWE-bench's eval script runs again after the candidate patch, through the store's runtime.
+
+SWE-bench runs the spec's install before the tests of every evaluation: a patch to setup.py, to a compiled
+extension's sources or, where the install copies the package (django 2.2's `setup.py install`, `pip install
+.`), to any file of it is tested as installed. The grader used to run the tests over the environment's
+install of the base commit: such a fix never reached the tests (scikit-learn 1.3.0 -> 1.3.1, whose .py files
+need its changed Cython: every test an import error). Now it installs again where the patch makes the
+install stale (the catalog's `grader.install`), and install_check.py fails a run whose install changed
+anything beyond the project's own installed files: the candidate's setup.py runs before the test runner.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from image_builder.graders import GradeOptions, grade
+from image_builder.graders.access import TestAccess
+from image_builder.tasks import RepoTask
+from tests.test_runner_tee import FORGED_REPORTS, build_calc_store, file_diff
+
+pytestmark = pytest.mark.xdist_group("reinstall")
+
+ENV = """set -e
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq && apt-get install -y -qq --no-install-recommends python3-setuptools python3-pytest >/dev/null
+"""
+SETUP = "from setuptools import setup\nsetup(name='calc-pkg', version='1.0', packages=['calc'], " \
+        "package_dir={'': 'src'})\n"
+SOURCE = "def add(a, b):\n    return a - b\n"
+# A src layout: the checkout is not on the tests' sys.path, they import the installed copy (an egg).
+REPO = f"""set -e
+mkdir -p /testbed/src/calc && cd /testbed
+cat > setup.py <<'EOF'
+{SETUP}EOF
+cat > src/calc/__init__.py <<'EOF'
+{SOURCE}EOF
+git init -q && git add -A && git -c user.name=t -c user.email=t@t commit -qm base
+python3 setup.py -q install
+rm -rf build  # distutils copies a source newer by whole seconds: a grade in the second after the build kept the old
+"""
+GRADER = {"install": {"command": "python3 setup.py -q install", "when": ["."]}}
+TEST_PATCH = file_diff("tests/test_calc.py", "", "from calc import add\n\n\ndef test_add():\n    assert add(1, 2) == 3\n")
+FIX = file_diff("src/calc/__init__.py", SOURCE, SOURCE.replace("a - b", "a + b"))
+
+
+def setup_running(code: str) -> str:
+    """A patch that leaves the bug and makes setup.py run `code` when it is installed."""
+    return file_diff("setup.py", SETUP, f"import os, site, sys\n{code}\n{SETUP}")
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory, registries, debian_bullseye_base):
+    from image_builder.graders.grading import StoreExecutors
+    from image_builder.runtime.execution import RunRequest
+    from image_builder.store.store import Store
+    tmp = tmp_path_factory.mktemp("reinstall")
+    build_calc_store(tmp, registries, debian_bullseye_base, ENV, REPO, grader=GRADER)
+    executors = StoreExecutors(Store.open(tmp / "store"))
+    executor = executors.for_instance("calc-1")
+    base = executor.run(RunRequest(("git", "rev-parse", "HEAD"))).stdout.decode().strip()
+    task = RepoTask("calc-1", "example/installed", base, FIX, TEST_PATCH, ("tests/test_calc.py::test_add",), (),
+                    "calc-1", test_cmd="python3 -m pytest -rA")
+    yield lambda patch: grade(task, patch, executor, GradeOptions(access=TestAccess.HIDDEN))
+    executors.close()
+
+
+def test_a_fix_to_an_installed_copy_is_installed_before_the_tests(graded):
+    """Before: the tests imported the base commit's egg, the fix failed as the empty patch does."""
+    fixed, empty = graded(FIX), graded("")
+    assert fixed.passed and fixed.repo.reinstall_exit_code == 0, (fixed.repo.runner_changes, fixed.repo.apply_log[-2000:])
+    assert fixed.repo.runner_changes == [], fixed.repo.runner_changes
+    assert not empty.passed and empty.repo.reinstall_exit_code is None, "nothing to install again"
+
+
+# pytest's reports rewritten by a module every interpreter imports at start: before collection, where the
+# runner guard takes its first look, so only the install check can see it.
+PTH_FORGE = f"""import _pytest
+d = os.path.dirname(os.path.dirname(_pytest.__file__))
+open(os.path.join(d, 'zz_forge.py'), 'w').write({FORGED_REPORTS!r})
+open(os.path.join(d, 'zz_forge.pth'), 'w').write('import zz_forge\\n')"""
+# The same written into pytest's own module on disk.
+DISK_FORGE = f"""import _pytest.reports
+open(_pytest.reports.__file__, 'a').write({FORGED_REPORTS!r})"""
+# The watcher stopped before it can answer.
+KILL_CHECK = """for pid in filter(str.isdigit, os.listdir('/proc')):
+    try:
+        if b'install_check' in open('/proc/%s/cmdline' % pid, 'rb').read():
+            os.kill(int(pid), 9)
+    except OSError:
+        pass"""
+
+
+@pytest.mark.parametrize("code, first", [
+    (PTH_FORGE, "the install added /usr/lib/python3/dist-packages/zz_forge.py"),
+    (DISK_FORGE, "the install changed /usr/lib/python3/dist-packages/_pytest/reports.py"),
+    (KILL_CHECK, "the install check gave no answer"),
+], ids=["pth", "pytest-on-disk", "check-killed"])
+def test_an_install_that_changes_the_runners_environment_fails(graded, code, first):
+    """The candidate's setup.py runs before the tests: what it changes beyond the project's own installed
+    files fails the run, named (without the check, the two forges resolved the task with the bug left)."""
+    forged = graded(setup_running(code))
+    assert not forged.passed, (forged.reason, forged.repo.log[-2000:])
+    assert forged.reason.startswith("the candidate's install changed the test runner's environment: " + first), \
+        (forged.reason, forged.repo.apply_log[-2000:])
