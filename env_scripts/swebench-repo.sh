@@ -15,7 +15,9 @@
 #   EVAL_SETUP    shell commands SWE-bench runs before each test run that set up the system, not the
 #                 checkout (django 3.x's locale-gen): run once here (optional)
 #   INSTALL       install command run in the checkout (optional); .git/image-builder-installed records
-#                 the commit it installed, for the instances
+#                 the commit it installed, for the instances; a pip install with build isolation also
+#                 leaves its build requirements as wheels in /opt/image-builder/build-wheels (for the
+#                 grader's offline install: keep_build_wheels)
 #   INSTALL_AS_INSTANCES  1: every instance on this layer has this commit's install files, so an install that
 #                 changes the environment's packages is done here rather than left to each instance
 #                 (optional; a version's, or an install layer's: swebench_catalog._install_layers)
@@ -92,6 +94,35 @@ install_held() {
         echo "image-builder: installing at $BASE_COMMIT would change the environment's packages; each instance installs at its own commit" >&2
     fi
     rm -f /tmp/held.txt /tmp/report.json
+    keep_build_wheels
+}
+# The grader runs the install again where a candidate patch makes it stale (graders/swebench.py), offline:
+# pip's isolated build would download the build requirements there. They are kept here, as wheels with
+# their dependencies, as of the environment's cut-off, where the grader's pip looks (PIP_FIND_LINKS).
+# Not for `--no-build-isolation` (the environment has them); a download that fails leaves the grader's
+# install to fail offline as before, and is said.
+BUILD_WHEELS=/opt/image-builder/build-wheels
+keep_build_wheels() {
+    case "$INSTALL" in *--no-build-isolation*) return 0 ;; *pip*install*) ;; *) return 0 ;; esac
+    python - > /tmp/build-requires.txt <<'PY' || return 0
+import os
+try:
+    import tomllib
+except ImportError:
+    try:
+        from pip._vendor import tomli as tomllib
+    except ImportError:
+        tomllib = None
+requires = ["setuptools>=40.8.0", "wheel"]  # pip's for a project without [build-system]
+if os.path.exists("pyproject.toml") and tomllib is not None:
+    with open("pyproject.toml", "rb") as f:
+        requires = tomllib.load(f).get("build-system", {}).get("requires", requires)
+print("\n".join(requires))
+PY
+    python -m pip download --quiet --dest "$BUILD_WHEELS" --only-binary=:all: -r /tmp/build-requires.txt >&2 \
+        || python -m pip download --quiet --dest "$BUILD_WHEELS" -r /tmp/build-requires.txt >&2 \
+        || echo "image-builder: the build requirements could not be kept as wheels: an offline grade cannot install again" >&2
+    rm -f /tmp/build-requires.txt
 }
 if [ -n "${BASE_COMMIT:-}" ] && git rev-parse -q --verify HEAD >/dev/null; then
     # A checkpoint, over a checkout: PRE_INSTALL's edits carry over where this commit leaves their files as

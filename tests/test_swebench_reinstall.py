@@ -16,6 +16,7 @@ import pytest
 from image_builder.graders import GradeOptions, grade
 from image_builder.graders.access import TestAccess
 from image_builder.tasks import RepoTask
+from tests.test_checkpoints import GIT, PROJECT, build, bundle, commit, wheel
 from tests.test_runner_tee import FORGED_REPORTS, build_calc_store, file_diff
 
 pytestmark = pytest.mark.xdist_group("reinstall")
@@ -102,3 +103,62 @@ def test_an_install_that_changes_the_runners_environment_fails(graded, code, fir
     assert not forged.passed, (forged.reason, forged.repo.log[-2000:])
     assert forged.reason.startswith("the candidate's install changed the test runner's environment: " + first), \
         (forged.reason, forged.repo.apply_log[-2000:])
+
+
+# test_checkpoints' project, built by its own backend (which needs `lib` in its isolated build environment,
+# as a setuptools project needs setuptools there), here from the checkout's proj/__init__.py and needing
+# nothing installed; the version layer finds lib among the context's wheels.
+BACKEND = PROJECT["backend.py"].replace('"proj/__init__.py": ""', '"proj/__init__.py": open("proj/__init__.py").read()') \
+    .replace("\\nRequires-Dist: tool", "")
+ISOLATED = """
+environments:
+  - name: py
+    base: BASE
+    scripts: [python-venv.sh]
+    env: {VENV: /opt/venv, PATH: "/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+          PYTHON_PACKAGES: "pytest==8.3.4"}
+  - name: v
+    from: py
+    scripts: [swebench-repo.sh]
+    context: v
+    env: {REPO_BUNDLE: /build/repo.bundle, BASE_COMMIT: C0, INSTALL: "python -m pip install .",
+          PIP_FIND_LINKS: /build/wheels, PIP_NO_INDEX: "1"}
+instances:
+  - id: proj-1
+    environment: v
+    script: swebench-instance.sh
+    context: i
+    env: {BASE_COMMIT: C0, REINSTALL_WHEN: ".", INSTALL: "python -m pip install ."}
+    workdir: /testbed
+    grader: {install: {command: "python -m pip install .", when: ["."]}}
+"""
+
+
+def test_an_isolated_build_installs_again_offline_from_the_kept_wheels(tmp_path, registries, debian_base):
+    """`pip install .` builds in an isolated environment whose requirements pip downloads: offline (every
+    grade but `--net`) the install failed and the tests ran over the base commit's copy. The version layer
+    keeps them as wheels (swebench-repo.sh keep_build_wheels) where the grader's pip looks."""
+    import subprocess
+    from image_builder.graders.grading import StoreExecutors
+    from image_builder.runtime.execution import RunRequest
+    from image_builder.store.store import Store
+    repo = tmp_path / "repo"
+    subprocess.run([*GIT, "init", "-q", str(repo)], check=True)
+    (repo / "proj").mkdir()
+    c0 = commit(repo, {**PROJECT, "backend.py": BACKEND, "proj/__init__.py": "VALUE = 1\n"}, "c0")
+    bundle(repo, tmp_path / "v/repo.bundle", c0)
+    bundle(repo, tmp_path / "i/commits.bundle", c0)
+    wheel(tmp_path / "v/wheels", "lib", "1.0")
+    build(tmp_path, registries, ISOLATED, {"BASE": debian_base, "C0": c0})
+    test_patch = file_diff("tests/test_proj.py", "", "from proj import VALUE\n\n\ndef test_value():\n"
+                                                     "    assert VALUE == 2\n")
+    fix = file_diff("proj/__init__.py", "VALUE = 1\n", "VALUE = 2\n")
+    task = RepoTask("proj-1", "example/isolated", c0, fix, test_patch, ("tests/test_proj.py::test_value",), (),
+                    "proj-1", test_cmd="pytest -rA")
+    with StoreExecutors(Store.open(tmp_path / "store")) as executors:
+        executor = executors.for_instance("proj-1")
+        kept = executor.run(RunRequest(("ls", "/opt/image-builder/build-wheels"))).stdout.decode().split()
+        fixed = grade(task, fix, executor, GradeOptions(access=TestAccess.HIDDEN))
+    assert fixed.passed and fixed.repo.reinstall_exit_code == 0, (fixed.reason, fixed.repo.apply_log[-2000:])
+    assert fixed.repo.runner_changes == [], fixed.repo.runner_changes
+    assert kept == ["lib-1.0-py3-none-any.whl"], kept

@@ -335,7 +335,7 @@ done
 # patch that makes the environment's install stale (Reinstall.needed), watched by install_check.py: started
 # before it, given the nonce on its stdin, it answers a line that starts with the nonce, after a go that is
 # the nonce, so the install's code can neither start the comparison early nor forge its answer. Offline,
-# pip looks at no index (an isolated build's requirements fail at once, not after its retries).
+# pip looks at no index: an isolated build takes its requirements from the wheels swebench-repo.sh kept.
 _REINSTALL = r"""reinstall() {{
   PY=$(command -v python || command -v python3) || {{ note reinstall none; return; }}
   coproc CHECK {{ "$PY" -I -S "$G/install_check.py" "$PWD" {runner} 2>"$G/check.err" 3>&-; }}
@@ -343,7 +343,7 @@ _REINSTALL = r"""reinstall() {{
   printf '%s\n' "$NONCE" >&8
   read -r -t 600 ready <&7
   PIP_CONFIG_SETTINGS=editable_mode=compat PIP_NO_CACHE_DIR=1 PIP_NO_INPUT=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    PYTHONDONTWRITEBYTECODE=1 {offline}sh -c {command} </dev/null 3>&- 7<&- 8>&-
+    PIP_FIND_LINKS={wheels} PYTHONDONTWRITEBYTECODE=1 {offline}sh -c {command} </dev/null 3>&- 7<&- 8>&-
   note reinstall "$?"
   (printf '%s\n' "$NONCE" >&8) 2>/dev/null  # a subshell: a stopped check's pipe would end the script
   while read -r -t 600 line <&7; do
@@ -362,6 +362,7 @@ _GUARD_NOTE = _HOOK_OFF + r"""if [ -s "$J/guard.log" ]; then note guard "$(base6
 """
 RUNNER_TEE = resources.files(__package__).joinpath("runner_tee.py").read_text()
 INSTALL_CHECK = resources.files(__package__).joinpath("install_check.py").read_text()
+BUILD_WHEELS = "/opt/image-builder/build-wheels"  # an isolated build's requirements (swebench-repo.sh keeps them)
 
 
 @dataclass(frozen=True)
@@ -552,7 +553,7 @@ def eval_script(base_commit: str, access: TestAccess, reset_paths: list[str], co
     if reinstall:
         runner = shlex.quote(command.split()[0].rsplit("/", 1)[-1]) if command.split() else "''"
         head += _REINSTALL.format(command=shlex.quote(reinstall), offline="PIP_NO_INDEX=1 " if offline else "",
-                                  runner=runner)
+                                  runner=runner, wheels=BUILD_WHEELS)
         steps = [*steps, "reinstall"]
     body = "\n".join(step.format(paths=paths, infra=infra_args) for step in steps)
     pythons = " ".join(map(shlex.quote, dict.fromkeys(("python", "python3", python))))
