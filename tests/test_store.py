@@ -7,7 +7,9 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -231,6 +233,7 @@ def test_kill_9_mid_build_then_resume(tmp_path, tiny_base, registries):
     args = ["build", str(path), "--store", str(tmp_path / "store"), "--cache-dir", str(tmp_path / "c"),
             "--ca-cert", str(registries.tls.cert), "-j", "2"]
     exe = str(ROOT / ".venv/bin/image-builder")
+    staged_before = set(Path(tempfile.gettempdir()).glob("ib-sandbox-*"))
     proc = subprocess.Popen([exe, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     # An image counts as built once its record (written after it) is there.
@@ -245,6 +248,12 @@ def test_kill_9_mid_build_then_resume(tmp_path, tiny_base, registries):
     statuses = [x["status"] for x in json.loads(r.stdout)["results"] if x["kind"] == "instance"]
     assert "up to date" in statuses and "built" in statuses, "finished items are kept, the rest built"
     assert not list((tmp_path / "store/work").iterdir()), "dead builds' work trees are cleaned"
+    # a root build's sandboxes stage in /tmp (their user must reach them): the killed builder's went too
+    # (what another test's live builder stages there now is named by its pid)
+    live = re.compile(rf"ib-sandbox-{re.escape(socket.gethostname())}@(\d+)-")
+    leaked = [p.name for p in set(Path(tempfile.gettempdir()).glob("ib-sandbox-*")) - staged_before
+              if not ((m := live.match(p.name)) and Path(f"/proc/{m.group(1)}").exists())]
+    assert not leaked, leaked
     v = run_cli("verify", "--store", str(tmp_path / "store"))
     assert v.returncode == 0 and "0 missing, 0 corrupt, 0 orphaned" in v.stdout, v.stdout
 

@@ -32,6 +32,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -45,6 +46,7 @@ from pathlib import Path
 from image_builder.errors import ImageBuilderError
 from image_builder.runtime.execution import DEFAULT_PATH, Bind
 from image_builder.runtime.mounts import DEV_NODES, PROC_MASKED, PROC_READONLY, squashfuse
+from image_builder.store.store import remove_tree
 from .enter import PIVOT
 
 CA_IN_SANDBOX = "/tmp/.image-builder/ca.pem"
@@ -69,6 +71,7 @@ class BuildBackend(str, enum.Enum):
 # Root builds run as this uid: above every range useradd hands out as subordinate ids
 # (SUB_UID_MAX, 600100000), so no user's rootless containers share it.
 BUILD_UID = int(os.environ.get("IMAGE_BUILDER_BUILD_UID", "2147000000"))
+STAGING = "ib-sandbox-"  # a sandbox's staging folder (run)
 
 
 @functools.cache
@@ -375,10 +378,12 @@ def run(spec: SandboxSpec, argv: list[str], *, backend: BuildBackend | None = No
         raise SandboxError(f"{spec.root}: no /bin/sh in the root filesystem; is it a Linux image?")
     # Staged beside the root, in the build's work tree: a builder killed outright (SIGKILL, OOM) leaves it
     # there, where the next build sweeps dead builds' trees (store.remove_dead_work), not in /tmp for good.
-    # A root build's sandbox user must reach it (_HostPaths): in /tmp where the tree is not (under /root).
+    # A root build's sandbox user must reach it (_HostPaths): in /tmp where the tree is not (under /root),
+    # named by node and builder for the next root build to sweep (remove_dead_staging).
     near = spec.root.parent
-    with tempfile.TemporaryDirectory(prefix="ib-sandbox-",
-                                     dir=near if os.geteuid() != 0 or _others_can_reach(near) else None) as tmp:
+    in_tmp = os.geteuid() == 0 and not _others_can_reach(near)
+    with tempfile.TemporaryDirectory(prefix=f"{STAGING}{socket.gethostname()}@{os.getpid()}-" if in_tmp else STAGING,
+                                     dir=None if in_tmp else near) as tmp:
         staging = Path(tmp)
         # What the sandbox sees under /tmp/.image-builder: host CA bundle, apt.conf, staged files.
         _stage(staging / "files", spec, files or {})
@@ -405,6 +410,25 @@ def run(spec: SandboxSpec, argv: list[str], *, backend: BuildBackend | None = No
             for point in reversed(fuse_mounts):
                 subprocess.run(["fusermount3", "-u", "-z", str(point)], capture_output=True)
             _remove_created(spec.overlay.upper if spec.overlay else spec.root, staging)
+
+
+def remove_dead_staging() -> list[str]:
+    """Root builds' staging folders in the temporary folder whose builder is gone (killed outright: its
+    TemporaryDirectory never cleaned up; two a killed `build -j 2`). Only this node's, only folders handed
+    to BUILD_UID (no user but root can make one), only of builders with no process."""
+    if os.geteuid() != 0:
+        return []
+    prefix, removed = f"{STAGING}{socket.gethostname()}@", []
+    for entry in Path(tempfile.gettempdir()).glob(f"{prefix}*-*"):
+        pid = entry.name[len(prefix):].split("-", 1)[0]
+        try:
+            st = entry.lstat()
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == BUILD_UID and pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            remove_tree(entry)
+            removed.append(str(entry))
+    return removed
 
 
 def _others_can_reach(path: Path) -> bool:

@@ -37,7 +37,7 @@ from image_builder.store.store import StorePaths, remove_dead_work
 from .catalog import Catalog, EnvironmentSpec, InstanceSpec
 from .envbuild import BuildFailed, BuildOptions, EnvBuild, build_environment, plan_environment
 from .instances import InstanceBuild, build_instance
-from .sandbox import halted
+from .sandbox import halted, remove_dead_staging
 
 FRAGMENTS_DIR = "index.d"
 
@@ -201,6 +201,7 @@ def build_store(catalog: Catalog, opts: StoreBuildOptions, reporter: Reporter = 
     paths = StorePaths(store)
     store.mkdir(parents=True, exist_ok=True)
     remove_dead_work(store)
+    remove_dead_staging()
     envs, instances = select(catalog, opts.only, opts.shard, opts.environments_only)
     _check_ownership(store, catalog)
     owner = catalog_id(catalog)
