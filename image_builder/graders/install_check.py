@@ -18,7 +18,8 @@ project's own install may not change:
     name before the first '-'). Which entries are the project's is decided before the install, from
     what the environment's own install left, so a candidate's setup.py cannot claim pytest's;
   - a .pth file's import lines (run at every interpreter's start; path lines are free: they come after
-    site-packages on sys.path and shadow nothing installed);
+    site-packages on sys.path and shadow nothing installed; but in a .pth with import lines, old
+    setuptools' easy-install.pth, whose lines move its paths to the front, only the project's eggs);
   - the pytest plugins the distributions declare (entry point group pytest11), WORKDIR's egg-info too.
 A file counts as changed when its ctime or size moved (ctime cannot be set back, unlike mtime). The
 stock is held in this process, started before the install, not re-read from a file the install could
@@ -210,14 +211,17 @@ def plugins(sites, workdir):
     return found
 
 
-def pth_imports(sites):
+def pth_lines(sites):
+    """Every .pth file's lines: path -> (import lines, path lines)."""
     found = {}
     for d in sites:
         if os.path.isdir(d):
             for entry in os.listdir(d):
                 if entry.endswith(".pth"):
-                    lines = (read(os.path.join(d, entry)) or "").splitlines()
-                    found[os.path.join(d, entry)] = sorted(l for l in lines if l.startswith(("import ", "import\t")))
+                    lines = [l.strip() for l in (read(os.path.join(d, entry)) or "").splitlines()]
+                    found[os.path.join(d, entry)] = (
+                        {l for l in lines if l.startswith(("import ", "import\t"))},
+                        {l for l in lines if l and not l.startswith(("#", "import ", "import\t"))})
     return found
 
 
@@ -255,7 +259,7 @@ class Stock:
         self.sites, self.bins = site_dirs(), bin_dirs()
         self.own, self.scripts, self.names = own_entries(self.sites, self.workdir)
         self.files = self.protected()
-        self.pth = pth_imports(self.sites)
+        self.pth = pth_lines(self.sites)
         self.plugins = plugins(self.sites, self.workdir)
 
     def is_own(self, entry):
@@ -295,9 +299,12 @@ class Stock:
             if self.files.get(path) != now.get(path):
                 what = "added" if path not in self.files else "removed" if path not in now else "changed"
                 out.append("the install " + what + " " + path)
-        for path, lines in sorted(pth_imports(self.sites).items()):
-            for line in sorted(set(lines) - set(self.pth.get(path, []))):
-                out.append("the install added to " + path + ": " + line[:200])
+        for path, (imports, paths) in sorted(pth_lines(self.sites).items()):
+            old_imports, old_paths = self.pth.get(path, (set(), set()))
+            added = sorted(imports - old_imports)
+            if imports:  # old setuptools' easy-install.pth moves its paths to the front of sys.path: only eggs
+                added += sorted(p for p in paths - old_paths if dist_name(os.path.basename(p)) not in self.names)
+            out += ["the install added to " + path + ": " + line[:200] for line in added]
         for plugin in sorted(plugins(self.sites, self.workdir) ^ self.plugins):
             out.append("the install changed the pytest plugins: " + plugin)
         return out
