@@ -139,16 +139,12 @@ class Spec:
         return next((pip for at_least, pip in PIPS.items() if self.version >= at_least), "")
 
     @property
-    def stale_when(self) -> str:
-        """The pathspecs whose change makes this spec's install stale (REINSTALL_WHEN)."""
-        return stale_when(self.install)
-
-    @property
     def old_pip_options(self) -> bool:
         return any(o in " ".join((self.install, *self.pre_install)) for o in OLD_PIP_OPTIONS)
 
 
 def stale_when(install: str) -> str:
+    """The pathspecs whose change makes `install` stale (REINSTALL_WHEN, or `.`)."""
     return REINSTALL_WHEN if EDITABLE.search(install) else "."
 
 
@@ -677,7 +673,8 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
                                         mirror, merge_base, histories[repo, spec.python],
                                         {"BASE_COMMIT": merge_base, "PRE_INSTALL": "\n".join(spec.pre_install),
                                          "INSTALL": spec.install})
-                if all(mirror.same_files(merge_base, t.base_commit, spec.stale_when.split()) for t, _ in members):
+                when = stale_when(spec.install)
+                if all(mirror.same_files(merge_base, t.base_commit, when.split()) for t, _ in members):
                     # Each instance would install from these same files over the same environment: where the
                     # install changes the environment's packages (sphinx's pre_install pins Jinja2<3.0 against
                     # the deps layer's 3.0.3), it is done once here instead of in every instance (21 MB each).
@@ -704,13 +701,13 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
                     try:
                         added.append(_repo_env(name, parent, context / "envs" / name, opts.out, mirror,
                                                checkpoint.commit, since, {"BASE_COMMIT": checkpoint.commit,
-                                                                          "REINSTALL_WHEN": spec.stale_when}))
+                                                                          "REINSTALL_WHEN": when}))
                         layers[checkpoint] = name, checkpoint.commit
                     except SpecError:  # an unreadable object: its instances' own bundles say which are left out
                         layers[checkpoint] = layers[checkpoint.parent]
                 sits = {t.base_commit: layers[below[t.base_commit]] for t, _ in members}
                 if "INSTALL_AS_INSTANCES" not in version_env["env"]:
-                    added += _install_layers(env_name, sits, mirror, context, opts.out, spec.stale_when)
+                    added += _install_layers(env_name, sits, mirror, context, opts.out, when)
             except SpecError as e:
                 result.skipped.extend(f"{t.original_id}: {e}" for t, _ in members)
                 continue
