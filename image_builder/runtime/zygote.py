@@ -9,10 +9,10 @@ and the instance's layers are bound read-only at LAYERS. It compiles PROGRAM (wi
 job names its own, compiled in the job as `python3 FILE` would: the interpreter's start is what is
 saved) and runs its imports' worth of start-up once; then, per job, it clones itself into a new pid
 namespace, and the clone (pid 1 there):
-  - takes a session of its own (a process group and a scheduler autogroup), makes a new mount, ipc
-    and network namespace (lo only), a tmpfs, and a new overlay root of LAYERS under it (so a
-    fresh writable layer, /tmp and /dev/shm), /proc of its pid namespace (the zygote's /proc where a
-    new one may not be mounted: the kernel backend masks /proc, and a masked one cannot be
+  - takes a session of its own (a process group and a scheduler autogroup), makes a new mount and
+    ipc namespace, a tmpfs, and a new overlay root of LAYERS under it (so a fresh writable layer,
+    /tmp and /dev/shm), /proc of its pid namespace with /proc/sys read-only (the zygote's /proc where
+    a new one may not be mounted: the kernel backend masks /proc, and a masked one cannot be
     re-mounted from a user namespace), the zygote's /dev with a devpts of its own; pivots into it and
     detaches the rest;
   - drops into a nested user namespace that owns none of that (the mounts and /proc masks stay put);
@@ -29,10 +29,19 @@ namespace, and the clone (pid 1 there):
 What a job shares with the zygote and so with the jobs before it: the interpreter's state as the
 zygote left it (modules imported, PROGRAM compiled, the hash seed), copied on write, never written
 back: what a job changes in memory dies with it. Files: the layers, read-only; every writable file
-system is the job's own. Processes: none survive a job. IPC: a namespace per job. Network: a
-namespace per job, since sockets' state outlives their processes (a closed connection waits a minute
-in TIME_WAIT, listed in /proc/net/tcp: a shared namespace let a job read what the last one left,
-and pass a case it could not pass alone); 0.8 ms of CPU a job, measured. Scheduling: an autogroup
+system is the job's own. Processes: none survive a job. IPC: a namespace per job. Network: the
+zygote's own namespace (lo only, offline_network), as long as no job leaves a trace in it. Sockets'
+state outlives their processes (a closed connection waits a minute in TIME_WAIT; every packet, even
+one refused for want of a route, counts in /proc/net/snmp): a namespace a job used let the next job
+read what it left, and pass a case it could not pass alone. So after each job the zygote reads what
+a job can change there (NET_STATE: the counters, and what outlives a process without a packet: unix
+sockets in flight, IPv6 flow labels) and, where anything differs, makes itself a new
+namespace before the next job. Nothing else of a namespace is a job's to change: its configuration
+(routes, addresses, filters) takes CAP_NET_ADMIN where the job has no capability (its user namespace
+is nested in the owner's), and /proc/sys, whose net files the job's uid could otherwise write as the
+owner's root, is read-only in its root. A job that opens no socket (an MBPP case) so costs no
+namespace: one each cost 2.7 ms of the machine's CPU, with its teardown (40 MBPP tasks, 2 workers,
+A/B: 122 against 148 cases/s). Scheduling: an autogroup
 per job; a job can still renice the zygote's own (its /proc file is the job's user's to write), and
 the zygote then serves no more jobs; so does one whose job set the times of the /proc they share.
 What a job can see of the zygote: with the zygote's /proc (kernel backend), nothing of its processes
@@ -70,7 +79,8 @@ import sys
 
 NEWNS, NEWIPC, NEWUSER, NEWPID, NEWNET = 0x00020000, 0x08000000, 0x10000000, 0x20000000, 0x40000000
 SIOCSIFFLAGS, IFF_UP, IFF_LOOPBACK, IFF_RUNNING = 0x8914, 0x1, 0x8, 0x40
-MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = \
+    1, 2, 4, 8, 32, 4096, 16384, 1 << 18
 MNT_DETACH = 2
 PR_SET_DUMPABLE = 4
 SYSCALLS = {"x86_64": (56, 155), "aarch64": (220, 41)}  # clone, pivot_root
@@ -108,8 +118,7 @@ def clone_newpid():
 
 def build_root(layers, scratch_kb):
     """The job's root, as the runtime's init builds one (native/init.c enter_root): see the docstring."""
-    check(libc.unshare(NEWNS | NEWIPC | NEWNET), "unshare")
-    offline_network()
+    check(libc.unshare(NEWNS | NEWIPC), "unshare")
     mount("none", "/", None, MS_REC | MS_PRIVATE)
     layer, tmp, shm = ("size=%dk,nr_inodes=%d" % (kb - kb // 8, max(16, kb // 8)) for kb in scratch_kb)
     mount("scratch", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=755," + layer)
@@ -128,6 +137,10 @@ def build_root(layers, scratch_kb):
         mount("proc", "proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     except OSError:  # a masked /proc above (kernel backend): that one, masks and all
         mount("/proc", "proc", None, MS_BIND | MS_REC)  # every job's: serve() retires on a change to its top
+    # Its net files' owner is the network namespace's root, which the job's uid is: it could set there what
+    # the next job of the shared namespace reads (the docstring). A masked /proc has it read-only already.
+    mount("proc/sys", "proc/sys", None, MS_BIND | MS_REC)
+    mount("none", "proc/sys", None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
     mount("/dev", "dev", None, MS_BIND | MS_REC)  # its nodes are read-only binds (runtime/mounts.py)
     # A devpts of the job's own: the zygote's was every job's (the times of its top carried a count).
     mount("devpts", "dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620")
@@ -146,6 +159,32 @@ SILENT_NETS = (("10.255.255.1", 32), ("240.0.0.0", 8), ("192.0.2.0", 24), ("198.
 _RTM_NEWROUTE, _NLM_F_REQUEST_ACK_CREATE_EXCL = 24, 1 | 4 | 0x400 | 0x200
 _RT_TABLE_MAIN, _RTPROT_STATIC, _RT_SCOPE_LINK, _RTN_UNICAST, _RTA_DST, _RTA_OIF, _LOOPBACK_IFINDEX = \
     254, 4, 253, 1, 1, 4, 1
+
+
+# What a job can change in the shared network namespace and leave behind (the docstring), 0.2 ms to read: the
+# namespace's counters (a socket outlives its process only where packets went: TIME_WAIT, an orphan, which
+# /proc/net/tcp would list at 3.4 ms a read), the unix sockets (one in flight outlives its process, and so do
+# the sockets sent in it), the flow labels (they linger). Not sockstat: its counts of allocations and memory
+# are the host's, and it counts sockets freed after an RCU grace period (the zygote's own netlink one).
+NET_STATE = ("dev", "snmp", "snmp6", "netstat", "unix", "ip6_flowlabel")
+
+
+def net_state():
+    got = []
+    for name in NET_STATE:
+        try:
+            with open("/proc/self/net/" + name, "rb") as f:
+                got.append(f.read())
+        except OSError as e:  # a kernel without IPv6: the same each time
+            got.append(e.errno)
+    return got
+
+
+def new_network():
+    """A network namespace of the zygote's own for its jobs (offline_network), and what it holds now."""
+    check(libc.unshare(NEWNET), "unshare the network namespace")
+    offline_network()
+    return net_state()
 
 
 def offline_network():
@@ -330,6 +369,7 @@ def serve(layers, program):
         # Its jobs would read, in their pids, how many forks the jobs before them made.
         sys.stderr.write("zygote: no pid keeper for a masked /proc (init.c pid_keeper)\n")
         sys.exit(3)
+    network = new_network()
     ctl.sendall(b'{"ready": true}')
     group, proc = autogroup(), proc_top()
     while True:
@@ -354,6 +394,11 @@ def serve(layers, program):
         # read (red team). The zygote's run then ends, and its init with it.
         retire = ("a job changed the zygote's scheduling group" if autogroup() != group else
                   "a job changed the times of /proc" if proc_top() != proc else None)
+        if not retire and net_state() != network:
+            try:
+                network = new_network()
+            except OSError as e:
+                retire = "a job used the network, and no new one could be made: %s" % e
         if retire:
             answer["retire"] = retire
         ctl.sendall(json.dumps(answer).encode())
