@@ -286,7 +286,7 @@ def test_a_job_that_used_the_network_leaves_nothing_in_it_for_the_next(pool, tra
 
 
 def test_jobs_that_leave_no_trace_share_the_zygotes_network_namespace(pool):
-    """What the shared namespace is for: a job that opens no socket costs none of its own (2.7 ms of CPU)."""
+    """What the shared namespace is for: a job that opens no socket costs none of its own (1.5-2.7 ms of CPU a case)."""
     def zygotes_nets() -> set[str]:
         found = set()
         for pid in filter(str.isdigit, os.listdir("/proc")):
