@@ -333,8 +333,7 @@ def isolation(server: Server, port: int) -> str:
 # --- the report -----------------------------------------------------------------------------------
 
 
-def main() -> Report:
-    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else ROUNDS
+def main(rounds: int = ROUNDS) -> Report:
     programs = (("print(1)", "print(1)\n", check_print),
                 (f"MBPP {MBPP_TASK} (function + 3 asserts)", mbpp_program(), check_asserts))
     store = our_store()
@@ -394,6 +393,6 @@ def main() -> Report:
 
 
 if __name__ == "__main__":
-    done = main()
+    done = main(int(sys.argv[1]) if len(sys.argv) > 1 else ROUNDS)
     done.print()
     print(f"\nwritten: {done.save()}")

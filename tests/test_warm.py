@@ -432,8 +432,10 @@ from image_builder.store.store import Store
 PROGRAM = %r
 resolved = Store.open(Path(sys.argv[1])).resolve("512")
 layers = InstanceLayers.of(resolved)
-script = (b"import os; print(os.path.exists('/etc/ib-left'), sorted(p for p in os.listdir('/proc') if p.isdigit()), "
-          b"os.getuid(), os.access('/proc/sys/net/ipv4/ip_local_port_range', os.W_OK)); "
+script = (b"import os\\n"
+          b"try:\\n    os.listdir('/proc/1/root/tmp'); zygotes = 'read'\\nexcept PermissionError:\\n    zygotes = 'denied'\\n"
+          b"print(os.path.exists('/etc/ib-left'), sorted(p for p in os.listdir('/proc') if p.isdigit()), "
+          b"os.getuid(), os.access('/proc/sys/net/ipv4/ip_local_port_range', os.W_OK), zygotes)\\n"
           b"open('/etc/ib-left', 'w').close()")
 with open_session(layers, layers_at=LAYERS_AT) as session:
     pool = WarmPool(session, layers, ("python3",), PROGRAM, {}, 256)
@@ -459,8 +461,9 @@ def test_rootless_jobs_get_a_proc_of_their_own(mbpp_store, public_dir):
                        env={**os.environ, "HOME": str(home), "XDG_RUNTIME_DIR": ""}, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     # pids 1 (the job's init) and 2 (the job) only, root inside; the file written is not there for the next; the
-    # shared network namespace's sysctls, which the job's uid owns there, are read-only
-    assert r.stdout.splitlines() == ["0 False ['1', '2'] 0 False"] * 2, r.stdout
+    # shared network namespace's sysctls, which the job's uid owns there, are read-only; the init's root (the
+    # zygote's: pid 1 stays in its mount namespace) is out of the job's reach
+    assert r.stdout.splitlines() == ["0 False ['1', '2'] 0 False denied"] * 2, r.stdout
 
 
 def test_where_no_zygote_starts_cases_run_in_fresh_interpreters(mbpp_store, monkeypatch):

@@ -8,18 +8,17 @@ pid, mount, ipc and network namespaces, root of a user namespace that owns nothi
 and the instance's layers are bound read-only at LAYERS. It compiles PROGRAM (without one, each
 job names its own, compiled in the job as `python3 FILE` would: the interpreter's start is what is
 saved) and runs its imports' worth of start-up once; then, per job, it clones itself into a new pid
-namespace, and the clone (pid 1 there):
-  - takes a session of its own (a process group and a scheduler autogroup), makes a new mount and
-    ipc namespace, a tmpfs, and a new overlay root of LAYERS under it (so a fresh writable layer,
-    /tmp and /dev/shm), /proc of its pid namespace with /proc/sys read-only (the zygote's /proc where
-    a new one may not be mounted: the kernel backend masks /proc, and a masked one cannot be
-    re-mounted from a user namespace), the zygote's /dev with a devpts of its own; pivots into it and
-    detaches the rest;
+namespace, and the clone (pid 1 there) takes a session of its own (a process group and a scheduler
+autogroup) and forks the job's process (pid 2, as a command under an init), which:
+  - makes a new mount and ipc namespace, a tmpfs, and a new overlay root of LAYERS under it (so a
+    fresh writable layer, /tmp and /dev/shm), /proc of its pid namespace with /proc/sys read-only
+    (the zygote's /proc where a new one may not be mounted: the kernel backend masks /proc, and a
+    masked one cannot be re-mounted from a user namespace), the zygote's /dev with a devpts of its
+    own; pivots into it and detaches the rest;
   - drops into a nested user namespace that owns none of that (the mounts and /proc masks stay put);
-  - forks the job's process (pid 2, as a command under an init), which reads the job's files from
-    the job's descriptor (never the zygote: its memory holds no job's files or input, so no clone of
-    it does; the control messages of earlier jobs (argv, paths, limits) may linger in it: never put
-    a job's data in argv),
+  - reads the job's files from the job's descriptor (never the zygote: its memory holds no job's
+    files or input, so no clone of it does; the control messages of earlier jobs (argv, paths,
+    limits) may linger in it: never put a job's data in argv),
     writes them, takes the job's stdio and limits and runs PROGRAM as __main__ with the job's argv
     (as the interpreter would: an absolute __file__, sys.path[0] its folder, an uncaught exception
     through sys.excepthook without this file's frames, SystemExit's status).
