@@ -98,6 +98,46 @@ print(os.readlink("/proc/self"), sorted(int(p) for p in os.listdir("/proc") if p
     assert seen[0][1].strip() == f"[{seen[0][0]}]", seen
 
 
+def test_a_jobs_pid_1_reaps_its_orphans_and_is_out_of_its_reach(pool):
+    """pid 1 of a job is image-builder-init (`reap`, zygote.py REAPER), not a fork of the zygote: it reaps
+    what the job leaves it, and the job can neither trace it nor stop it."""
+    code, out, _ = job(pool, """
+import ctypes, os, signal, time
+libc = ctypes.CDLL(None, use_errno=True)
+r, w = os.pipe()
+child = os.fork()
+if child == 0:
+    grandchild = os.fork()
+    if grandchild == 0:
+        time.sleep(0.2)
+        os._exit(0)
+    os.write(w, b"%d" % grandchild)
+    os._exit(0)
+os.waitpid(child, 0)
+orphan = int(os.read(r, 32))
+for _ in range(50):  # it exits after 0.2 s; reaped, its pid is gone (a zombie's is not)
+    time.sleep(0.05)
+    try:
+        os.kill(orphan, 0)
+    except ProcessLookupError:
+        print("reaped")
+        break
+else:
+    print("zombie")
+print(os.getpid(), libc.ptrace(16, 1, 0, 0), ctypes.get_errno())  # PTRACE_ATTACH
+for sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGSTOP):
+    os.kill(1, sig)  # ignored: pid 1 of its own namespace
+time.sleep(0.1)
+os.kill(1, 0)
+print("pid 1 lives")
+""")
+    assert code == 0, out
+    reaped, traced, alive = out.splitlines()
+    assert (reaped, alive) == ("reaped", "pid 1 lives"), out
+    pid, result, errno = traced.split()
+    assert pid == "2" and result == "-1" and errno in ("1", "13"), out  # EPERM, EACCES
+
+
 def test_the_zygote_never_holds_a_jobs_data(pool):
     """A later job is a copy of the zygote's memory: it finds nothing of an earlier job's files there."""
     marker = "ib-secret-" + os.urandom(8).hex()

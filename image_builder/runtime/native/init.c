@@ -1323,8 +1323,36 @@ static int make_netns(int n) {
     return 0;
 }
 
+/* pid 1 of a warm job's pid namespace (runtime/zygote.py): reaps what the job leaves to it, nothing else;
+   the zygote forks the job's process into the namespace, waits for it and kills this init to end the
+   rest. A Python fork as pid 1 cost every job a copy of the zygote's page tables, a few hundred
+   copy-on-write faults and a teardown (281 faults of 1030 a job). It runs in the zygote's mount
+   namespace, as the zygote's user: not dumpable (no process of the job may trace it or open its
+   /proc files, its root among them) and without capabilities, before it says it is ready on fd 3. */
+static void on_child(int sig) { (void)sig; }
+
+static int reap(void) {
+    struct { uint32_t version; int pid; } head = {0x20080522, 0}; /* capset(2), _LINUX_CAPABILITY_VERSION_3 */
+    struct { uint32_t effective, permitted, inheritable; } none[2] = {{0, 0, 0}, {0, 0, 0}};
+    sigset_t chld, empty;
+    sigemptyset(&chld);
+    sigemptyset(&empty);
+    sigaddset(&chld, SIGCHLD);
+    if (prctl(PR_SET_DUMPABLE, 0) || prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) ||
+        syscall(SYS_capset, &head, none) || sigprocmask(SIG_BLOCK, &chld, NULL) ||
+        signal(SIGCHLD, on_child) == SIG_ERR || write(CTL, "r", 1) != 1 || close(CTL))
+        return 1;
+    for (;;) {
+        while (waitpid(-1, NULL, WNOHANG) > 0)
+            ;
+        sigsuspend(&empty);
+    }
+}
+
 int main(int argc, char **argv) {
     struct spec s;
+    if (argc == 2 && !strcmp(argv[1], "reap"))
+        return reap();
     if (argc == 3 && !strcmp(argv[1], "netns")) {
         prctl(PR_SET_PDEATHSIG, SIGKILL);
         return make_netns(atoi(argv[2])) ? 1 : 0;
