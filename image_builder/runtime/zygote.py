@@ -449,6 +449,7 @@ def run_job(job, fds, layers, code, program, home):
     failed_r, failed_w = os.pipe()
     ready_r, ready_w = os.pipe()
     reaper = pid = None
+    home_again = True  # the zygote's next child is in its own pid namespace again
     try:
         check(libc.unshare(NEWPID), "unshare the job's pid namespace")
         try:
@@ -465,14 +466,12 @@ def run_job(job, fds, layers, code, program, home):
             if pid == 0:
                 job_child(job, fds, failed_w, layers, code, program)
         finally:
-            check(libc.setns(home, NEWPID), "return to the zygote's pid namespace")
-    except OSError as e:
+            home_again = libc.setns(home, NEWPID) == 0
+    except OSError as e:  # nothing of the job ran
         if reaper:
             os.kill(reaper, signal.SIGKILL)
             os.waitpid(reaper, 0)
-        if pid:
-            os.waitpid(pid, 0)
-        return {"error": str(e), "retire": "it cannot make pid namespaces: %s" % e}
+        return {"error": str(e)}
     finally:
         for fd in (failed_w, ready_r, ready_w):
             if fd >= 0:
@@ -496,9 +495,12 @@ def run_job(job, fds, layers, code, program, home):
     os.close(failed_r)
     if failed:
         return {"error": failed.decode(errors="replace")}
-    return {"exit_code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
-            "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
-            "timed_out": timed_out, "peak_memory_kb": usage.ru_maxrss}
+    answer = {"exit_code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
+              "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+              "timed_out": timed_out, "peak_memory_kb": usage.ru_maxrss}
+    if not home_again:
+        answer["retire"] = "it could not return to its own pid namespace"
+    return answer
 
 
 def own_pid_namespace():
