@@ -483,6 +483,7 @@ def run_job(job, fds, layers, code, program, home):
         if reaper:
             os.kill(reaper, signal.SIGKILL)
             os.waitpid(reaper, 0)
+        os.close(failed_r)
         return {"error": str(e)}
     finally:
         for fd in (failed_w, ready_r, ready_w):
