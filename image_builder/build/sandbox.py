@@ -46,7 +46,7 @@ from pathlib import Path
 from image_builder.errors import ImageBuilderError
 from image_builder.runtime.execution import DEFAULT_PATH, Bind
 from image_builder.runtime.mounts import DEV_NODES, PROC_MASKED, PROC_READONLY, squashfuse
-from image_builder.store.store import remove_tree
+from image_builder.store.store import builder_mark, dead_builder, remove_tree
 from .enter import PIVOT
 
 CA_IN_SANDBOX = "/tmp/.image-builder/ca.pem"
@@ -382,7 +382,7 @@ def run(spec: SandboxSpec, argv: list[str], *, backend: BuildBackend | None = No
     # named by node and builder for the next root build to sweep (remove_dead_staging).
     near = spec.root.parent
     in_tmp = os.geteuid() == 0 and not _others_can_reach(near)
-    with tempfile.TemporaryDirectory(prefix=f"{STAGING}{socket.gethostname()}@{os.getpid()}-" if in_tmp else STAGING,
+    with tempfile.TemporaryDirectory(prefix=f"{STAGING}{builder_mark()}-" if in_tmp else STAGING,
                                      dir=None if in_tmp else near) as tmp:
         staging = Path(tmp)
         # What the sandbox sees under /tmp/.image-builder: host CA bundle, apt.conf, staged files.
@@ -420,12 +420,12 @@ def remove_dead_staging() -> list[str]:
         return []
     prefix, removed = f"{STAGING}{socket.gethostname()}@", []
     for entry in Path(tempfile.gettempdir()).glob(f"{prefix}*-*"):
-        pid = entry.name[len(prefix):].split("-", 1)[0]
+        pid = entry.name[len(prefix):].split("-", 1)[0]  # STAGING NODE@PID-random (a node's name may hold '-')
         try:
             st = entry.lstat()
         except OSError:
             continue
-        if stat.S_ISDIR(st.st_mode) and st.st_uid == BUILD_UID and pid.isdigit() and not Path(f"/proc/{pid}").exists():
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == BUILD_UID and dead_builder(f"{socket.gethostname()}@{pid}"):
             remove_tree(entry)
             removed.append(str(entry))
     return removed

@@ -61,15 +61,25 @@ def remove_tree(path: Path) -> None:
         shutil.rmtree(path, onerror=make_writable_and_retry)
 
 
+def builder_mark() -> str:
+    """This build process as the names of what it leaves behind carry it (a work tree, a sandbox's staging):
+    NODE@PID, for a later build to tell whether it is gone (dead_builder)."""
+    return f"{socket.gethostname()}@{os.getpid()}"
+
+
+def dead_builder(mark: str) -> bool:
+    """Whether NODE@PID names a build process of this node that has no process: only this node's (on a shared
+    filesystem another node's build may be alive)."""
+    host, _, pid = mark.rpartition("@")
+    return host == socket.gethostname() and pid.isdigit() and not Path(f"/proc/{pid}").exists()
+
+
 def remove_dead_work(root: Path) -> list[str]:
     """Work trees of builds whose process is gone (killed, node rebooted); returns what went."""
     removed = []
     work = root / "work"
-    host = socket.gethostname()
     for entry in work.iterdir() if work.is_dir() else ():
-        _, entry_host, pid = (["", "", ""] + entry.name.split("@"))[-3:]
-        # Only this node's: on a shared filesystem another node's build may be alive.
-        if entry_host == host and pid.isdigit() and not Path(f"/proc/{pid}").exists():
+        if dead_builder("@".join(entry.name.split("@")[-2:])):  # NAME@NODE@PID
             remove_tree(entry)
             removed.append(str(entry.relative_to(root)))
     return removed
@@ -100,7 +110,7 @@ class StorePaths:
         return self.root / "failed" / "envs" / _path_name(name)
 
     def work(self, name: str) -> Path:
-        return self.root / "work" / f"{_path_name(name)}@{socket.gethostname()}@{os.getpid()}"
+        return self.root / "work" / f"{_path_name(name)}@{builder_mark()}"
 
     def lock(self, name: str, suffix: str = ".lock") -> Path:
         """locks/<name>.lock: per-item build locks ("env-NAME", "inst-ID", "index")."""
