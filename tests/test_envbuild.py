@@ -23,6 +23,7 @@ from image_builder.oci.registry import RegistryOptions
 from image_builder.pack.sif import read_sif
 from image_builder.store.store import Store
 from tests.conftest import run_cli, stop_when
+from tests.support.proot_files import dead_proots_files
 from tests.support.terminal import read_pty
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -235,6 +236,8 @@ def test_a_stopped_build_stops_its_scripts(public_dir, tiny_base, public_ca, use
         again = subprocess.run([*exe, *args, "--only", "ok"], env=env, capture_output=True, text=True)
         assert again.returncode == 0, again.stderr
     assert not [p for p in (store / "work").iterdir()], "its work trees go"
+    if backend == "proot":  # proot's own files in /tmp: the stopped build's, or the next build sweeps them
+        assert dead_proots_files(user) == []
 
 
 def test_debug_opens_a_shell_in_the_failed_tree(tmp_path, tiny_base, registries):

@@ -34,6 +34,7 @@ from image_builder.runtime.cgroups import Cgroups
 from image_builder.runtime.execution import RunRequest, RunResult
 from image_builder.runtime.mounts import INIT_ENV, PROC_MASKED
 from image_builder.runtime.session import Backend, InstanceLayers
+from tests.support.proot_files import dead_proots_files
 from tests.support.terminal import read_pty
 
 ROOTFS_CACHE = Path.home() / ".cache" / "image_builder-tests"
@@ -337,6 +338,15 @@ def test_timeout_kills_the_whole_tree(case):
     assert r.timed_out and r.exit_code is None
     assert r.wall_time < 10
     assert eventually(lambda: not processes_with(f"sleep {mark}")), "a sleeper survived the timeout"
+
+
+@pytest.mark.parametrize("case", ["extract"], indirect=True)
+def test_proot_leaves_nothing_in_tmp(case):
+    """proot puts its loader and glue folders in /tmp, and a proot killed at a timeout never removes
+    them: each run of the extract tests left two there for good."""
+    ok, late = case.run(case.req(["sh", "-c", "sh -c true; echo ok"]), case.req(["sleep", "30"], timeout=1.0))
+    assert ok.stdout == b"ok\n" and late.timed_out
+    assert dead_proots_files(NOBODY) == []
 
 
 def test_memory_limit_has_a_clear_verdict(case):

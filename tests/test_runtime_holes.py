@@ -143,7 +143,7 @@ print(loops, swapped)
 # after another, each unmounted at once; prints how many were made, and how many were refused
 # (the attacker won: the holder's own errors, nothing else).
 MAKER = r"""
-import os, sys, tempfile
+import os, shutil, sys, tempfile
 from image_builder.runtime.holder import Holder
 from image_builder.runtime.mounts import RunnerError, umount
 d, n = sys.argv[1], int(sys.argv[2])
@@ -161,6 +161,8 @@ for _ in range(n):
     made += 1
     umount(target)
     os.rmdir(target)
+os.chdir("/")
+shutil.rmtree(base)
 print(made, refused)
 """
 

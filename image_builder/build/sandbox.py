@@ -45,6 +45,7 @@ from pathlib import Path
 
 from image_builder.errors import ImageBuilderError
 from image_builder.runtime.execution import DEFAULT_PATH, Bind
+from image_builder.runtime.extract import remove_proot_leftovers
 from image_builder.runtime.mounts import DEV_NODES, PROC_MASKED, PROC_READONLY, squashfuse
 from image_builder.store.store import builder_mark, dead_builder, remove_tree
 from .enter import PIVOT
@@ -409,6 +410,8 @@ def run(spec: SandboxSpec, argv: list[str], *, backend: BuildBackend | None = No
         finally:
             for point in reversed(fuse_mounts):
                 subprocess.run(["fusermount3", "-u", "-z", str(point)], capture_output=True)
+            if backend is BuildBackend.PROOT:  # a proot killed at a timeout, or a killed build's before
+                remove_proot_leftovers()
             _remove_created(spec.overlay.upper if spec.overlay else spec.root, staging)
 
 
@@ -491,6 +494,26 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
+def _wait_for_group(leader: int, limit: float = 5.0) -> None:
+    """Until the processes of `leader`'s group (all of a killed sandbox's: SIGKILL is delivered at once,
+    the exit takes a while) are gone, or `limit` seconds: a proot still exiting when the build looked
+    for proot's leftovers in /tmp kept them (remove_proot_leftovers). The leader's zombie, not reaped
+    yet, keeps its pid, so the group's id cannot be another's meanwhile."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        members = []
+        for pid in os.listdir("/proc"):
+            try:
+                if pid.isdigit() and int(pid) != leader and \
+                        int(Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[2]) == leader:
+                    members.append(pid)
+            except (OSError, IndexError, ValueError):
+                pass
+        if not members:
+            return
+        time.sleep(0.01)
+
+
 def _start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
     with _running_lock:
         if _halting:
@@ -542,6 +565,7 @@ def _supervise(cmd, env, timeout, log, echo, tail_lines, t0) -> Result:
                 timer.cancel()
             # Out of _running before it is reaped: its pid, free after, may name another's group.
             os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+            _wait_for_group(proc.pid)
             with _running_lock:
                 _running.discard(proc.pid)
             code = proc.wait()

@@ -29,6 +29,7 @@ from typing import Protocol
 
 from image_builder.errors import ImageBuilderError
 from image_builder.oci.cache import sha256_file
+from image_builder.runtime.extract import remove_proot_leftovers
 from image_builder.store.files import atomic_write
 from image_builder.store.ids import shown_id
 from image_builder.store.index import (EnvRecord, Index, IndexError_, InstanceRecord, Layer, load_json,
@@ -202,6 +203,7 @@ def build_store(catalog: Catalog, opts: StoreBuildOptions, reporter: Reporter = 
     store.mkdir(parents=True, exist_ok=True)
     remove_dead_work(store)
     remove_dead_staging()
+    remove_proot_leftovers()  # a killed proot build's (its guards take proot down after the builder)
     envs, instances = select(catalog, opts.only, opts.shard, opts.environments_only)
     _check_ownership(store, catalog)
     owner = catalog_id(catalog)

@@ -227,6 +227,46 @@ def _traced_by(tracer: int) -> list[int]:
     return found
 
 
+def remove_proot_leftovers() -> None:
+    """Remove what dead proots of this user left in /tmp. proot keeps its loader (prooted-PID-*) and
+    glue folders (proot-PID-*) there and removes them as it exits; killed outright (a run's timeout, a
+    killed builder) it leaves them for good: two a run of the extract tests, four a run of the whole
+    suite, until /tmp held 256 (Debian's proot 5.1 takes no other folder: it reads no PROOT_TMP_DIR).
+    PID is that of the proot that made the name, alive while it runs, so a PID with no process is a dead
+    proot's (a new process with that PID makes names of its own, which are not touched)."""
+    import shutil
+
+    uid = os.geteuid()
+    try:
+        entries = list(os.scandir("/tmp"))
+    except OSError:
+        return
+    for entry in entries:
+        pid = entry.name.partition("-")[2].partition("-")[0]
+        if entry.name.partition("-")[0] not in ("proot", "prooted") or not pid.isdigit():
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if st.st_uid != uid or _alive(int(pid)):
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                os.unlink(entry.path)
+        except OSError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 # proot 5.1 (Debian 12) does not translate these newer path syscalls: statx would show
 # the host's files (coreutils' ls and stat use it). Failing them with ENOSYS makes libc
 # and coreutils fall back to the older calls, which proot translates.
@@ -286,6 +326,7 @@ def _kill_proot(proc) -> None:
                 pass
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
+    remove_proot_leftovers()
 
 
 class ExtractSession(Session):
@@ -313,6 +354,7 @@ class ExtractSession(Session):
             if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
                 _kill_running_from(stale)
                 _make_writable_rmtree(stale)
+        remove_proot_leftovers()
         try:
             offset, _size = partition_offset(layers.env_sif)
         except SifError as e:
