@@ -808,6 +808,25 @@ def base_debian(suite, output, tag, include, mirror, cache_dir):
     click.echo(ref)
 
 
+@base_group.command(name="python")
+@click.argument("prefix", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="OCI layout directory to add the image to (made if missing).")
+@click.option("--tag", help="Its tag in the layout (default: python-X.Y).")
+@click.option("--suite", help="Debian release under it (default: the oldest of bullseye, bookworm, trixie whose C "
+              "library runs the prefix's programs).")
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Where the debootstrap trees and made layers are kept (default: the blob cache's directory).")
+@one_line_errors
+def base_python(prefix, output, tag, suite, cache_dir):
+    """A base image of the Python installed at PREFIX (its sys.prefix: pyenv's versions/X.Y.Z, a module
+    tree's), laid at /usr/local of a Debian minbase, for a Python no registry here serves (as root; prints the
+    reference `swebench catalog --python X.Y=` or a catalog's `base:` takes)."""
+    from image_builder.oci.cache import default_cache_dir
+    from image_builder.oci.hostpython import python_base
+    click.echo(python_base(prefix, output, cache_dir or default_cache_dir() / "bases", suite, tag))
+
+
 for _group in (impossible_group, sandbox_group, slurm_group, swebench_group):
     main.add_command(_group)
 

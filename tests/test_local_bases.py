@@ -137,3 +137,26 @@ def test_a_debootstrap_killed_midway_leaves_nothing_the_next_cannot_remove(tmp_p
     finally:
         subprocess.run(["umount", "-l", str(tmp / "proc")], capture_output=True)
     assert not tmp.exists()
+
+
+def test_base_python_lays_a_host_python_over_debian(tmp_path):
+    """A Python built on this host (pyenv's: SWE-bench's 3.10 has no Debian release) made a base: a catalog
+    builds on it, and in the store its interpreter (at /usr/local, finding its libpython there), its
+    compiled modules and its pip (a script whose #! named the prefix) run."""
+    prefix = _host_python()
+    version = prefix.name.rsplit(".", 1)[0]
+    layout = tmp_path / "bases"
+    r = run_cli("base", "python", str(prefix), "-o", str(layout), "--cache-dir", str(TEST_CACHE))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"oci:{layout}:python-{version}"
+    check = "import sys, ssl, sqlite3, ctypes; print('%d.%d' % sys.version_info[:2], sys.prefix)"
+    out = build_and_run(tmp_path, r.stdout.strip(), f'python -c "{check}" && pip --version | cut -d" " -f1 && '
+                                                    f'ls /usr/local/lib/python{version}/test 2>&1 | grep -c "No such"')
+    assert out.split() == [version, "/usr/local", "pip", "1"], out
+
+
+def _host_python() -> Path:
+    """A Python this machine's kind carries beside its own (pyenv's), 3.10 where there is one."""
+    versions = sorted((Path.home() / ".pyenv/versions").glob("3.*"))
+    assert versions, "this test needs a Python built on the host: ~/.pyenv/versions/3.X.Y"
+    return next((v for v in versions if v.name.startswith("3.10.")), versions[0])

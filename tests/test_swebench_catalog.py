@@ -21,10 +21,10 @@ MARSHMALLOW = DATA / "swebench_marshmallow.jsonl"
 MACHINE = os.uname().machine
 
 
-def generate(tmp: Path, dataset: Path, *extra: str) -> subprocess.CompletedProcess:
+def generate(tmp: Path, dataset: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return run_cli("swebench", "catalog", str(dataset), "--repos", str(DATA / "repos"), "-o",
                    str(tmp / "swe.yaml"), "--python", "3.9=registry.example/python:3.9",
-                   "--cutoff", "2024-07-04", *extra)
+                   "--cutoff", "2024-07-04", *extra, env=env)
 
 
 def git(repo: Path, *args: str) -> str:
@@ -312,22 +312,29 @@ def test_specs_that_cannot_be_honoured_are_reported_per_instance(tmp_path):
     ]
     dataset = tmp_path / "mixed.jsonl"
     dataset.write_text("".join(json.dumps(r) + "\n" for r in [good, *bad]))
-    r = generate(tmp_path, dataset)
+    fake = tmp_path / "pyenv/versions/3.11.2"  # a Python built here (pyenv's): the line names it
+    (fake / "bin").mkdir(parents=True)
+    (fake / "bin/python3.11").touch()
+    (fake / "lib/python3.11").mkdir(parents=True)
+    (fake / "lib/python3.11/os.py").touch()
+    r = generate(tmp_path, dataset, env={"PYENV_ROOT": str(tmp_path / "pyenv")})
     assert r.returncode == 0, r.stderr
     lines = [line for line in r.stderr.splitlines() if line.startswith("left out: ")]
     assert len(lines) == len(bad), lines
     assert "left out: nobody__nothing-1: swebench has no spec for repository nobody/nothing" in lines
     assert any(line.startswith("left out: marshmallow-code__marshmallow-9: swebench has no spec for "
                                "marshmallow-code/marshmallow version '0.1'") for line in lines)
-    assert "left out: matplotlib__matplotlib-1: no base image for Python 3.11: give --python 3.11=REF (an image " \
-        "with Python 3.11), or --python-default TEMPLATE" in lines
+    no_base = "no base image for Python 3.11: give --python 3.11=REF (an image with Python 3.11), or " \
+        "--python-default TEMPLATE; or make one of this host's Python: image-builder base python"
+    assert any(line.startswith(f"left out: matplotlib__matplotlib-1: {no_base} {fake}") for line in lines), lines
     assert any(line.startswith("left out: marshmallow-code__marshmallow-8: commit '0000") for line in lines)
     assert any(line.startswith("left out: pallets__flask-1: no repository for pallets/flask") for line in lines)
-    assert "left out: pallets__flask-2: no base image for Python 3.11: give --python 3.11=REF (an image with " \
-        "Python 3.11), or --python-default TEMPLATE" in lines
+    assert any(line.startswith(f"left out: pallets__flask-2: {no_base} {fake} -o BASES, then --python "
+                               "3.11=oci:BASES:python-3.11") for line in lines), lines
     assert "left out: climb-1: version '../../../../tmp/x' is not a version (letters, digits and . _ + -)" in lines
     assert "left out: climb-2: repo '../..' is not owner/name" in lines
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["mixed.jsonl", "swe.d", "swe.yaml"], "nothing outside"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mixed.jsonl", "pyenv", "swe.d", "swe.yaml"], \
+        "nothing outside"
     assert sorted(load(tmp_path / "swe.yaml").instances) == [good["instance_id"]], "the rest is built"
 
     r = run_cli("swebench", "catalog", str(MARSHMALLOW), "--repos", str(DATA / "repos"), "-o",

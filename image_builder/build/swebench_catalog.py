@@ -82,6 +82,7 @@ from image_builder.build.environment_yml import EnvironmentYml, EnvironmentYmlEr
 from image_builder.build.upload_dates import DEFAULT_INDEX, UploadDateError, UploadDates, day_after, iso, \
     parse_time, pins
 from image_builder.errors import ImageBuilderError
+from image_builder.oci.hostpython import local_pythons
 from image_builder.store.files import atomic_write
 from image_builder.store.ids import file_name, id_problem
 from image_builder.tasks import RepoTask, load_tasks_with_rows, read_records
@@ -930,8 +931,11 @@ def _usable(constants: types.ModuleType, yanked: tuple[tuple[str, str | None], .
     base = opts.python.get(spec.python) or (opts.python_default.format(python=spec.python)
                                             if opts.python_default else "")
     if not base:
+        local = local_pythons(spec.python)
+        made = (f"; or make one of this host's Python: image-builder base python {local[0]} -o BASES, then "
+                f"--python {spec.python}=oci:BASES:python-{spec.python}") if local else ""
         return (f"no base image for Python {spec.python}: give --python {spec.python}=REF (an image with Python "
-                f"{spec.python}), or --python-default TEMPLATE")
+                f"{spec.python}), or --python-default TEMPLATE{made}")
     if isinstance(mirror, str):
         return mirror
     setup_commit = _setup_commit(members)
