@@ -18,11 +18,14 @@ PREFIX="${CONDA_PREFIX_DIR:-/opt/conda/envs/testbed}"
 SOLVER=/tmp/ib-rattler
 # The solver itself is today's (the cut-off is for what it installs), in a venv of the base's python3, else
 # beside it with the base's pip.
+# today: without the cut-off, from the real index, not the builder's cut-off one (build/cutoff_index.py).
+today() { (unset PIP_UPLOADED_PRIOR_TO; [ -z "${PIP_INDEX_URL_TODAY:-}" ] || export PIP_INDEX_URL="$PIP_INDEX_URL_TODAY"
+           "$@"); }
 solver_pip() {  # PYTHON [pip install options]
     py="$1"
     shift
-    (unset PIP_UPLOADED_PRIOR_TO; "$py" -m pip install -q --no-input --disable-pip-version-check --no-cache-dir \
-        "$@" "${RATTLER:-py-rattler==0.28.0}")
+    today "$py" -m pip install -q --no-input --disable-pip-version-check --no-cache-dir "$@" \
+        "${RATTLER:-py-rattler==0.28.0}"
 }
 if python3 -m venv "$SOLVER" >/dev/null 2>&1; then
     solver_pip "$SOLVER/bin/python"
@@ -70,7 +73,7 @@ pip() { "$PY" -m pip --no-input --disable-pip-version-check --no-cache-dir "$@";
 # An environment.yml lists pip; where it does not, the interpreter's own.
 "$PY" -m pip --version >/dev/null 2>&1 || "$PY" -m ensurepip >/dev/null
 if [ -n "${PIP_VERSION:-}" ]; then
-    (unset PIP_UPLOADED_PRIOR_TO; pip install -q "$PIP_VERSION")
+    today pip install -q "$PIP_VERSION"
 fi
 if [ -s /build/pip-requirements.txt ]; then
     pip install -r /build/pip-requirements.txt

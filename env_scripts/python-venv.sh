@@ -11,7 +11,8 @@
 #   PIP_VERSION       pip requirement to install first, e.g. pip==26.3 (optional; a base's own pip may be
 #                     too old for editable installs of newer projects, the latest too new for old ones)
 #   PIP_UPLOADED_PRIOR_TO  pip (26+) takes only what was uploaded before this date (optional): installs
-#                     resolve as on that day, not today (the pip upgrade above is exempt)
+#                     resolve as on that day, not today (the pip upgrade above is exempt); the builder
+#                     holds older pips to it too (PIP_INDEX_URL: its cut-off index; PIP_INDEX_URL_TODAY)
 #   PYTHON_PACKAGES   space-separated pip requirements, from PyPI (optional)
 #   PIP_FOR_INSTALL   pip requirement installed after the packages, for install commands of later layers
 #                     that need options a newer pip dropped (--no-use-pep517, gone in pip 25.3) (optional)
@@ -50,8 +51,12 @@ else
     command -v python >/dev/null || ln -s "$PY" /usr/local/bin/python
 fi
 pip() { "$PY" -m pip --no-input --disable-pip-version-check --no-cache-dir "$@"; }
+# What is installed newer than the cut-off on purpose (pip itself) is resolved as of today: without the
+# cut-off, and from the real index, not the builder's cut-off one (build/cutoff_index.py).
+today() { (unset PIP_UPLOADED_PRIOR_TO; [ -z "${PIP_INDEX_URL_TODAY:-}" ] || export PIP_INDEX_URL="$PIP_INDEX_URL_TODAY"
+           "$@"); }
 if [ -n "${PIP_VERSION:-}" ]; then
-    (unset PIP_UPLOADED_PRIOR_TO; pip install "$PIP_VERSION")
+    today pip install "$PIP_VERSION"
 fi
 if [ -d /build/wheels ]; then
     pip install --no-index --find-links /build/wheels /build/wheels/*.whl
@@ -108,7 +113,7 @@ if [ -n "${PYTHON_PACKAGES:-}" ]; then
     pip install $PYTHON_PACKAGES
 fi
 if [ -n "${PIP_FOR_INSTALL:-}" ]; then
-    (unset PIP_UPLOADED_PRIOR_TO; pip install "$PIP_FOR_INSTALL")
+    today pip install "$PIP_FOR_INSTALL"
 fi
 # Byte-compile now: the packed image is read-only, so Python could never cache them later.
 if [ -n "$VENV" ]; then

@@ -48,6 +48,7 @@ from image_builder.runtime.execution import DEFAULT_PATH, Bind
 from image_builder.runtime.extract import remove_proot_leftovers
 from image_builder.runtime.mounts import DEV_NODES, PROC_MASKED, PROC_READONLY, squashfuse
 from image_builder.store.store import builder_mark, dead_builder, remove_tree
+from .cutoff_index import cutoff_index
 from .enter import PIVOT
 
 CA_IN_SANDBOX = "/tmp/.image-builder/ca.pem"
@@ -403,10 +404,12 @@ def run(spec: SandboxSpec, argv: list[str], *, backend: BuildBackend | None = No
             else:
                 cmd = _namespace_command(spec, argv, staging)
             env = clean_env(spec)
-            t0 = time.monotonic()
-            if interactive:
-                return Result(subprocess.Popen(cmd, env=env).wait(), False, time.monotonic() - t0, ())
-            return _supervise(cmd, env, timeout, log, echo, tail_lines, t0)
+            with cutoff_index(env) as index_env:  # the step's pips resolve as of its PIP_UPLOADED_PRIOR_TO
+                env.update(index_env)
+                t0 = time.monotonic()
+                if interactive:
+                    return Result(subprocess.Popen(cmd, env=env).wait(), False, time.monotonic() - t0, ())
+                return _supervise(cmd, env, timeout, log, echo, tail_lines, t0)
         finally:
             for point in reversed(fuse_mounts):
                 subprocess.run(["fusermount3", "-u", "-z", str(point)], capture_output=True)

@@ -87,8 +87,8 @@ from image_builder.store.files import atomic_write
 from image_builder.store.ids import file_name, id_problem
 from image_builder.tasks import RepoTask, load_tasks_with_rows, read_records
 
-# pip per Python: 26 takes a cut-off (--uploaded-prior-to); older Pythons get the newest pip they run,
-# which resolves as of today. All have PEP 660 editable installs (>= 21.3).
+# pip per Python: 26 takes a cut-off (--uploaded-prior-to); older Pythons get the newest pip they run, which
+# the builder's cut-off index (cutoff_index.py) holds to the cut-off. All have PEP 660 editable installs (>= 21.3).
 PIPS = {(3, 10): "pip==26.3", (3, 9): "pip==26.0.1", (3, 8): "pip==25.0.1", (3, 7): "pip==24.0", (3, 6): "pip==21.3.1"}
 # What pip 25.3 removed: the --no-use-pep517 option, and `setup.py develop` for an editable install whose
 # build backend has no PEP 660 hook (setuptools < 64: pylint 2.15 pins setuptools~=62.6). A spec whose
@@ -653,12 +653,8 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
                     deps_env |= {"CONDA_CHANNELS": " ".join(opts.conda_channels), "CONDA_PYTHON": spec.python,
                                  "PATH": f"{CONDA_PREFIX}/bin:{PATH}", "CONDA_PREFIX_DIR": CONDA_PREFIX,
                                  **({"CONDA_EXCLUDE_NEWER": cutoff} if cutoff else {})}
-                if cutoff and (_takes_cutoff(pip) or conda):
+                if cutoff:  # pip 26 takes it; the builder's cut-off index serves older pips (cutoff_index.py)
                     deps_env["PIP_UPLOADED_PRIOR_TO"] = cutoff
-                elif cutoff:
-                    which = pip or "the base's pip"
-                    result.notes += [f"{t.original_id}: not carried out: cut-off {cutoff} ({which} for Python "
-                                     f"{spec.python} has no --uploaded-prior-to)" for t, _ in members]
                 if spec.old_pip_options or _no_pep660(mirror.show(_setup_commit(members), "pyproject.toml")):
                     deps_env["PIP_FOR_INSTALL"] = PIP_FOR_OLD_OPTIONS
                     if spec.version < (3, 12) and not conda:
@@ -798,11 +794,6 @@ def _no_pep660(pyproject: str | None) -> bool:
     requires = re.search(r"^requires\s*=\s*\[([^\]]*)\]", pyproject or "", re.M)
     m = OLD_SETUPTOOLS.search(requires.group(1)) if requires else None
     return bool(m) and int(m.group(1)) < 64
-
-
-def _takes_cutoff(pip: str) -> bool:
-    m = re.match(r"^pip\s*==\s*(\d+)", pip)
-    return bool(m) and int(m.group(1)) >= 26
 
 
 # When each Python came out: packages a new Python's instances need have wheels for it within about a year
