@@ -5,54 +5,28 @@ from __future__ import annotations
 
 import hashlib
 import http.server
-import json
-import threading
 from pathlib import Path
 
 import yaml
 
 from image_builder.build.catalog import load
+from tests.support.simple_index import serve_index
 from tests.test_checkpoints import wheel
 from tests.test_envbuild import ROOT, build_env, options, sif_files, write_catalog
 
 UPLOADED = {"1.0": "2020-01-01T00:00:00Z", "2.0": "2023-01-01T00:00:00Z"}
 
 
-def serve_index(folder: Path) -> tuple[http.server.ThreadingHTTPServer, str]:
-    """`lib` and `tool`, 1.0 and 2.0 each, with their upload times, as PyPI's JSON simple API has them;
-    files served from /files/."""
-    for version in UPLOADED:
-        wheel(folder, "lib", version)
-        wheel(folder, "tool", version)
-
-    class Index(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            port = self.server.server_address[1]
-            name = self.path.strip("/").rpartition("/")[2]
-            if self.path.startswith("/simple/") and name in ("lib", "tool"):
-                files = [{"filename": f"{name}-{v}-py3-none-any.whl", "url": f"http://127.0.0.1:{port}/files/{name}-"
-                          f"{v}-py3-none-any.whl", "hashes": {"sha256": hashlib.sha256(
-                              (folder / f"{name}-{v}-py3-none-any.whl").read_bytes()).hexdigest()}, "upload-time": when}
-                         for v, when in UPLOADED.items()]
-                body, kind = json.dumps({"meta": {"api-version": "1.1"}, "name": name, "files": files}).encode(), \
-                    "application/vnd.pypi.simple.v1+json"
-            elif self.path.startswith("/files/") and (folder / self.path[7:]).is_file():
-                body, kind = (folder / self.path[7:]).read_bytes(), "application/octet-stream"
-            else:
-                self.send_error(404)
-                return
-            self.send_response(200)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Index)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, f"http://127.0.0.1:{server.server_address[1]}/simple"
+def serve_lib_and_tool(folder: Path) -> tuple[http.server.ThreadingHTTPServer, str]:
+    """`lib` and `tool`, 1.0 and 2.0 each, with their upload times, as PyPI's JSON simple API has them."""
+    pages = {}
+    for name in ("lib", "tool"):
+        for version, when in UPLOADED.items():
+            wheel(folder, name, version)
+        pages[name] = [{"filename": f"{name}-{v}-py3-none-any.whl", "url": f"../../files/{name}-{v}-py3-none-any.whl",
+                        "hashes": {"sha256": hashlib.sha256((folder / f"{name}-{v}-py3-none-any.whl").read_bytes())
+                                   .hexdigest()}, "upload-time": when} for v, when in UPLOADED.items()]
+    return serve_index(pages, folder)
 
 
 def test_a_cut_off_holds_for_a_pip_that_takes_none(tmp_path, debian_base, registries):
@@ -60,7 +34,7 @@ def test_a_cut_off_holds_for_a_pip_that_takes_none(tmp_path, debian_base, regist
     PIP_UPLOADED_PRIOR_TO: it took lib 2.0, uploaded after the cut-off. Served the index as of the cut-off,
     it takes 1.0; with no cut-off, 2.0. What a script installs as of today on purpose (PIP_FOR_INSTALL, as
     the pip upgrade) still takes the real index: tool 2.0."""
-    server, index = serve_index(tmp_path / "files")
+    server, index = serve_lib_and_tool(tmp_path / "files")
     scripts = {"python-venv.sh": (ROOT / "env_scripts/python-venv.sh").read_text()}
     env = {"VENV": "/opt/venv", "PIP_INDEX_URL": index, "PYTHON_PACKAGES": "lib", "PIP_FOR_INSTALL": "tool==2.0",
            "PIP_UPLOADED_PRIOR_TO": "2021-06-01T00:00:00Z"}

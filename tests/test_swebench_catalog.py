@@ -14,6 +14,7 @@ from image_builder.build.catalog import load
 from image_builder.build.checkpoints import DEPTH, place
 from image_builder.build.swebench_catalog import REINSTALL_WHEN
 from tests.conftest import run_cli
+from tests.support.simple_index import serve_index
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "index/data"
@@ -418,8 +419,6 @@ def test_auto_cutoff_is_the_day_after_the_newest_pinned_release(tmp_path):
     """Read from a real HTTP index serving PEP 691 JSON: the spec's pins decide, else its repository's, else
     its instances' dates (not before its Python's first year), else the table's; an instance made later moves
     it later; answers are cached, so a rerun asks nothing."""
-    import http.server
-    import threading
     from types import SimpleNamespace
 
     from image_builder.build.swebench_catalog import REINSTALL_WHEN, CatalogOptions, Cutoffs, spec_of
@@ -436,23 +435,8 @@ def test_auto_cutoff_is_the_day_after_the_newest_pinned_release(tmp_path):
                        (f"numpy-1.19.3-cp39-cp39-manylinux2010_{MACHINE}.whl", "2020-10-29T00:00:00Z"),
                        (f"numpy-1.20.0-cp39-cp39-manylinux2010_{MACHINE}.whl", "2021-01-30T00:00:00Z")]}
     asked = []
-
-    class Index(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            name = self.path.strip("/").split("/")[-1]
-            asked.append(name)
-            body = json.dumps({"meta": {"api-version": "1.1"}, "files": [
-                {"filename": f, "upload-time": t} for f, t in files.get(name, [])]}).encode()
-            self.send_response(200 if name in files else 404)
-            self.send_header("Content-Type", "application/vnd.pypi.simple.v1+json")
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Index)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server, index = serve_index({name: [{"filename": f, "upload-time": t} for f, t in entries]
+                                 for name, entries in files.items()}, asked=asked)
     try:
         table = {"a/pins": {"1": {"python": "3.9", "pip_packages": ["tox==4.16.0", "pytest"]},
                             "2": {"python": "3.9", "pip_packages": ["more-itertools==10.1.0"]}},
@@ -463,7 +447,7 @@ def test_auto_cutoff_is_the_day_after_the_newest_pinned_release(tmp_path):
                           "2": {"python": "3.8", "packages": "numpy==1.19.2"}}}
         constants = SimpleNamespace(MAP_REPO_VERSION_TO_SPECS=table)
         opts = CatalogOptions(tmp_path / "d.jsonl", tmp_path, tmp_path / "c.yaml",
-                              index_url=f"http://127.0.0.1:{server.server_port}/simple")
+                              index_url=index)
         cutoffs = Cutoffs(constants, opts, tmp_path / "dates.json")
         def of(repo, version, records=()):
             return cutoffs.of(repo, version, spec_of(constants, repo, version), list(records))
