@@ -21,7 +21,7 @@ def serve_lib_and_tool(folder: Path) -> tuple[http.server.ThreadingHTTPServer, s
     """`lib` and `tool`, 1.0 and 2.0 each, with their upload times, as PyPI's JSON simple API has them."""
     pages = {}
     for name in ("lib", "tool"):
-        for version, when in UPLOADED.items():
+        for version in UPLOADED:
             wheel(folder, name, version)
         pages[name] = [{"filename": f"{name}-{v}-py3-none-any.whl", "url": f"../../files/{name}-{v}-py3-none-any.whl",
                         "hashes": {"sha256": hashlib.sha256((folder / f"{name}-{v}-py3-none-any.whl").read_bytes())

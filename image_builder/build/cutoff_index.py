@@ -55,7 +55,7 @@ class CutoffIndex:
         index = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 (http.server's name)
+            def do_GET(self):
                 status, body = index.page(self.path)
                 self.send_response(status)
                 self.send_header("Content-Type", "text/html; charset=utf-8")
