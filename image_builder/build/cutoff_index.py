@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import html
 import http.server
+import json
 import re
 import threading
 from collections.abc import Iterator
@@ -50,15 +51,15 @@ class CutoffIndex:
 
         self.upstream, self.cutoff = upstream.rstrip("/"), cutoff
         self.session = requests.Session()
-        self.pages: dict[str, tuple[int, bytes]] = {}
+        self.pages: dict[str, tuple[int, list]] = {}
         self.lock = threading.Lock()
         index = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):
-                status, body = index.page(self.path)
+                status, body, kind = index.page(self.path, ACCEPT in self.headers.get("Accept", ""))
                 self.send_response(status)
-                self.send_header("Content-Type", "text/html; charset=utf-8")
+                self.send_header("Content-Type", kind)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -76,10 +77,12 @@ class CutoffIndex:
         self.server.server_close()
         self.session.close()
 
-    def page(self, path: str) -> tuple[int, bytes]:
+    def page(self, path: str, json_api: bool) -> tuple[int, bytes, str]:
+        """A project's page: PEP 691 JSON where the pip asks for it (pip 26 reads the upload times there and
+        refuses an index without them), else PEP 503 HTML (pip before 22.2 reads nothing else)."""
         m = re.fullmatch(r"/simple/([A-Za-z0-9._-]+)/?", path.split("?", 1)[0])
         if not m:
-            return 404, b"not a project page\n"
+            return 404, b"not a project page\n", "text/plain"
         name = normalized(m[1])
         with self.lock:
             known = self.pages.get(name)
@@ -88,22 +91,32 @@ class CutoffIndex:
             if known[0] != 502:  # an upstream failure is asked again, not kept
                 with self.lock:
                     self.pages[name] = known
-        return known
+        status, files = known
+        if status != 200:
+            return status, files[0].encode() if files else b"", "text/plain"
+        if json_api:
+            return 200, json.dumps({"meta": {"api-version": "1.1"}, "name": name, "files": files}).encode(), ACCEPT
+        links = "".join(_link(f) for f in files)
+        return 200, f"<!DOCTYPE html>\n<html><body>\n{links}</body></html>\n".encode(), "text/html; charset=utf-8"
 
-    def _fetch(self, name: str) -> tuple[int, bytes]:
+    def _fetch(self, name: str) -> tuple[int, list]:
+        """The project's files uploaded before the cut-off, their URLs absolute (pip downloads from the
+        index's own file host); for a failure, the status and its line."""
         import requests
+        from urllib.parse import urljoin
 
         try:
             r = self.session.get(f"{self.upstream}/{name}/", headers={"Accept": ACCEPT}, timeout=60)
             if r.status_code == 404:
-                return 404, b"no such project\n"
+                return 404, ["no such project\n"]
             r.raise_for_status()
-            files = r.json().get("files", [])
-        except (requests.RequestException, ValueError) as e:
-            return 502, f"the index {self.upstream} failed: {type(e).__name__}\n".encode()
-        links = [self._link(f, r.url) for f in files if isinstance(f, dict) and self._kept(f)]
-        body = "<!DOCTYPE html>\n<html><body>\n" + "".join(link for link in links if link) + "</body></html>\n"
-        return 200, body.encode()
+            files = r.json()["files"]
+            if not isinstance(files, list):
+                raise ValueError("files is not a list")
+        except (requests.RequestException, ValueError, KeyError, TypeError) as e:
+            return 502, [f"the index {self.upstream} failed: {type(e).__name__}\n"]
+        return 200, [{**f, "url": urljoin(r.url, f["url"])} for f in files if isinstance(f, dict)
+                     and isinstance(f.get("filename"), str) and isinstance(f.get("url"), str) and self._kept(f)]
 
     def _kept(self, f: dict) -> bool:
         """Uploaded before the cut-off; a file with no upload time is kept (a mirror that records none)."""
@@ -115,25 +128,21 @@ class CutoffIndex:
         except ValueError:
             return True
 
-    @staticmethod
-    def _link(f: dict, base: str) -> str:
-        from urllib.parse import urljoin
 
-        filename, url = f.get("filename"), f.get("url")
-        if not isinstance(filename, str) or not isinstance(url, str):
-            return ""
-        url = urljoin(base, url)  # absolute: pip downloads from the index's own file host
-        hashes = f.get("hashes") if isinstance(f.get("hashes"), dict) else {}
-        if isinstance(hashes.get("sha256"), str):
-            url = f"{url.split('#', 1)[0]}#sha256={hashes['sha256']}"
-        attrs = [f'href="{html.escape(url)}"']
-        if isinstance(f.get("requires-python"), str):
-            attrs.append(f'data-requires-python="{html.escape(f["requires-python"])}"')
-        yanked = f.get("yanked")
-        if yanked:
-            attrs.append(f'data-yanked="{html.escape(yanked if isinstance(yanked, str) else "")}"')
-        metadata = f.get("core-metadata", f.get("dist-info-metadata"))
-        if isinstance(metadata, dict) and isinstance(metadata.get("sha256"), str):
-            value = html.escape(f"sha256={metadata['sha256']}")
-            attrs += [f'data-core-metadata="{value}"', f'data-dist-info-metadata="{value}"']
-        return f"<a {' '.join(attrs)}>{html.escape(filename)}</a><br>\n"
+def _link(f: dict) -> str:
+    """A file's PEP 503 anchor, with what PEP 691 says of it that HTML can carry."""
+    url = f["url"]
+    hashes = f.get("hashes") if isinstance(f.get("hashes"), dict) else {}
+    if isinstance(hashes.get("sha256"), str):
+        url = f"{url.split('#', 1)[0]}#sha256={hashes['sha256']}"
+    attrs = [f'href="{html.escape(url)}"']
+    if isinstance(f.get("requires-python"), str):
+        attrs.append(f'data-requires-python="{html.escape(f["requires-python"])}"')
+    yanked = f.get("yanked")
+    if yanked:
+        attrs.append(f'data-yanked="{html.escape(yanked if isinstance(yanked, str) else "")}"')
+    metadata = f.get("core-metadata", f.get("dist-info-metadata"))
+    if isinstance(metadata, dict) and isinstance(metadata.get("sha256"), str):
+        value = html.escape(f"sha256={metadata['sha256']}")
+        attrs += [f'data-core-metadata="{value}"', f'data-dist-info-metadata="{value}"']
+    return f"<a {' '.join(attrs)}>{html.escape(f['filename'])}</a><br>\n"

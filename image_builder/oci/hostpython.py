@@ -31,6 +31,8 @@ SUITES = (("bullseye", (2, 31)), ("bookworm", (2, 36)), ("trixie", (2, 41)))
 LIBRARY_DIRS = ("usr/local/lib", "usr/lib/x86_64-linux-gnu", "lib/x86_64-linux-gnu", "usr/lib/aarch64-linux-gnu",
                 "lib/aarch64-linux-gnu", "usr/lib64", "lib64", "usr/lib", "lib")
 _GLIBC = re.compile(rb"GLIBC_(\d+)\.(\d+)")
+# The C library's own (every Debian tree has them; their strings name every GLIBC version they define).
+C_LIBRARY = re.compile(r"(libc|libm|libpthread|libdl|librt|libutil|libresolv|libanl|libmvec|ld-linux[\w.-]*)\.so")
 
 
 def python_base(prefix: Path, layout: Path, cache_dir: Path, suite: str | None = None, tag: str | None = None) -> str:
@@ -43,19 +45,27 @@ def python_base(prefix: Path, layout: Path, cache_dir: Path, suite: str | None =
     version = python_version(prefix)
     elves = _elf_files(prefix)
     libraries = _host_libraries(prefix, elves)
-    need = max((_glibc_needed(f) for f in [*elves, *libraries.values()]), default=(2, 0))
-    suite = suite or next((name for name, has in SUITES if has >= need), None)
-    if suite is None:
-        raise BaseError(f"{prefix}: its programs need GLIBC {need[0]}.{need[1]}, newer than any Debian release "
-                        f"known here ({SUITES[-1][0]}: {SUITES[-1][1][0]}.{SUITES[-1][1][1]}); give --suite")
-    rootfs = debian_rootfs(suite, cache_dir)
-    key = hashlib.sha256(repr((str(prefix), _stamp(prefix), sorted(libraries.items()), rootfs.name,
+    need = max((_glibc_needed(f) for f in elves), default=(2, 0))
+    for name, has in ((suite, (99, 0)),) if suite else SUITES:  # a release given is taken as it is
+        if has < need:
+            continue
+        rootfs = debian_rootfs(name, cache_dir)
+        missing = {soname: src for soname, src in libraries.items()
+                   if not any((rootfs / d / soname).exists() for d in LIBRARY_DIRS)}
+        if max((_glibc_needed(src) for src in missing.values()), default=(2, 0)) <= has:
+            suite = name
+            break
+    else:
+        raise BaseError(f"{prefix}: its programs (or the host libraries they load) need a C library newer than "
+                        f"any Debian release known here ({SUITES[-1][0]}: GLIBC {SUITES[-1][1][0]}."
+                        f"{SUITES[-1][1][1]}); give --suite")
+    key = hashlib.sha256(repr((str(prefix), _stamp(prefix), sorted(missing.items()), rootfs.name,
                                inspect.getsource(_lay_out))).encode()).hexdigest()[:12]
     layer = cache_dir / f"python-{version}-{suite}-{key}.tar.gz"
     if not layer.exists():
         with tempfile.TemporaryDirectory(prefix=f".python-{version}-", dir=cache_dir) as tmp:
             tree = Path(tmp) / "rootfs"
-            _lay_out(prefix, version, rootfs, libraries, tree)
+            _lay_out(prefix, version, rootfs, missing, tree)
             rootfs_layer(tree, layer)
     write_layout(layout, tag or f"python-{version}", [layer])
     return f"oci:{layout.resolve()}:{tag or f'python-{version}'}"
@@ -117,7 +127,7 @@ def _host_libraries(prefix: Path, elves: list[Path]) -> dict[str, Path]:
                 raise BaseError(f"{path}: needs {name}, which this host does not have; install it, or "
                                 "rebuild the Python without the module")
             lib = Path(rest.split(" (")[0])
-            if not str(lib.resolve()).startswith(f"{prefix}/"):
+            if not str(lib.resolve()).startswith(f"{prefix}/") and not C_LIBRARY.match(name):
                 libraries.setdefault(name, lib.resolve())
     return libraries
 
@@ -132,8 +142,9 @@ def _stamp(prefix: Path) -> list[tuple[str, int, int]]:
                   for p in prefix.rglob("*") if (st := p.lstat()))
 
 
-def _lay_out(prefix: Path, version: str, rootfs: Path, libraries: dict[str, Path], tree: Path) -> None:
-    """The Debian tree with the prefix as its /usr/local, checked by starting the interpreter in it."""
+def _lay_out(prefix: Path, version: str, rootfs: Path, missing: dict[str, Path], tree: Path) -> None:
+    """The Debian tree with the prefix as its /usr/local and the host libraries it lacks in /usr/local/lib,
+    checked by starting the interpreter in it."""
     subprocess.run(["cp", "-a", "--reflink=auto", str(rootfs), str(tree)], check=True)
     local = tree / "usr/local"
     subprocess.run(["cp", "-a", "--reflink=auto", f"{prefix}/.", f"{local}/"], check=True)
@@ -141,10 +152,9 @@ def _lay_out(prefix: Path, version: str, rootfs: Path, libraries: dict[str, Path
     for waste in (*local.glob("lib/python*/test"), *local.glob("lib/python*/idlelib/idle_test"),
                   *local.glob("lib/libpython*.a"), *local.glob("lib/python*/config-*/libpython*.a")):
         shutil.rmtree(waste) if waste.is_dir() and not waste.is_symlink() else waste.unlink()
-    for soname, src in sorted(libraries.items()):
-        if not any((tree / d / soname).exists() for d in LIBRARY_DIRS):
-            (local / "lib").mkdir(exist_ok=True)
-            shutil.copy2(src, local / "lib" / soname)
+    for soname, src in sorted(missing.items()):
+        (local / "lib").mkdir(exist_ok=True)
+        shutil.copy2(src, local / "lib" / soname)
     old = f"#!{prefix}/bin/".encode()
     for script in (local / "bin").iterdir():
         if script.is_file() and not script.is_symlink():
