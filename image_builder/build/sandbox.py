@@ -503,18 +503,18 @@ def _wait_for_group(leader: int, limit: float = 5.0) -> None:
     for proot's leftovers in /tmp kept them (remove_proot_leftovers). The leader's zombie, not reaped
     yet, keeps its pid, so the group's id cannot be another's meanwhile."""
     deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        members = []
-        for pid in os.listdir("/proc"):
-            try:
-                if pid.isdigit() and int(pid) != leader and \
-                        int(Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[2]) == leader:
-                    members.append(pid)
-            except (OSError, IndexError, ValueError):
-                pass
-        if not members:
-            return
+    while _other_members(leader) and time.monotonic() < deadline:
         time.sleep(0.01)
+
+
+def _other_members(leader: int) -> bool:
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            if pid != leader and os.getpgid(pid) == leader:
+                return True
+        except OSError:  # gone meanwhile
+            pass
+    return False
 
 
 def _start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:

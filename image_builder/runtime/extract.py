@@ -242,12 +242,12 @@ def remove_proot_leftovers() -> None:
     except OSError:
         return
     for entry in entries:
-        pid = entry.name.partition("-")[2].partition("-")[0]
-        if entry.name.partition("-")[0] not in ("proot", "prooted") or not pid.isdigit():
+        kind, _, rest = entry.name.partition("-")
+        pid = rest.partition("-")[0]
+        if kind not in ("proot", "prooted") or not pid.isdigit():
             continue
         try:
-            st = entry.stat(follow_symlinks=False)
-            if st.st_uid != uid or _alive(int(pid)):
+            if entry.stat(follow_symlinks=False).st_uid != uid or os.path.exists(f"/proc/{pid}"):
                 continue
             if entry.is_dir(follow_symlinks=False):
                 shutil.rmtree(entry.path, ignore_errors=True)
@@ -255,16 +255,6 @@ def remove_proot_leftovers() -> None:
                 os.unlink(entry.path)
         except OSError:
             pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 # proot 5.1 (Debian 12) does not translate these newer path syscalls: statx would show
