@@ -199,6 +199,20 @@ def test_old_setuptools_build_requirement_installs_with_the_last_pip_that_develo
     assert deps.env["SETUPTOOLS_USE_DISTUTILS"] == "stdlib"
 
 
+@pytest.mark.parametrize("version,python,pip_for_install", [("0.22", "3.6", None), ("1.3", "3.9", "pip==25.2")])
+def test_no_use_pep517_gets_a_pip_that_has_it_and_runs_on_the_python(tmp_path, version, python, pip_for_install):
+    """scikit-learn's install says --no-use-pep517, which pip 25.3 removed: Python 3.9's pip 26 needs pip 25.2
+    after the packages; Python 3.6's pip 21.3.1 has the option, and pip 25.2 does not run there (the 0.22
+    build failed: `No matching distribution found for pip==25.2`)."""
+    row = {"repo": "scikit-learn/scikit-learn", "version": version, "instance_id": "scikit-learn__scikit-learn-1"}
+    envs = _marshmallow_with(tmp_path, {"NOTES.txt": "a commit of its own\n"}, "--cutoff", "none",
+                             "--python", "3.6=registry.example/python:3.6", row=row)
+    deps = next(e for e in envs.values() if e.name.endswith("-deps"))
+    assert deps.env.get("PIP_FOR_INSTALL") == pip_for_install
+    assert envs[f"python-{python}"].env["PIP_VERSION"] == {"3.6": "pip==21.3.1", "3.9": "pip==26.0.1"}[python]
+    assert "--no-use-pep517" in envs[f"scikit-learn__scikit-learn-{version}"].env["INSTALL"]
+
+
 def test_no_layer_holds_a_commit_its_instance_may_not_see(tmp_path):
     """SWE-bench hides every commit after the base commit (the fix among them): the layers an instance
     stacks (history, version, instance) must hold only ancestors of its base commit."""

@@ -95,6 +95,7 @@ PIPS = {(3, 10): "pip==26.3", (3, 9): "pip==26.0.1", (3, 8): "pip==25.0.1", (3, 
 # install needs one gets pip 25.2 after its packages (its own install is then not cut off).
 OLD_PIP_OPTIONS = ("--no-use-pep517",)
 PIP_FOR_OLD_OPTIONS = "pip==25.2"
+PIP_WITHOUT_OLD_OPTIONS = (25, 3)
 OLD_SETUPTOOLS = re.compile(r"[\"']setuptools\s*(?:~=|==|<=|<)\s*(\d+)")
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 CONDA_PREFIX = "/opt/conda/envs/testbed"  # a conda spec's environment (SWE-bench's: /opt/miniconda3/envs/testbed)
@@ -368,6 +369,13 @@ def read_specs(path: Path, constants: types.ModuleType) -> tuple[types.SimpleNam
             versions[version] = spec
         tables["MAP_REPO_VERSION_TO_SPECS"][repo] = versions
     return types.SimpleNamespace(**tables), parsers
+
+
+def _drops_old_options(pip: str) -> bool:
+    """Whether the pip a Python layer gets (a requirement; "" or a range: the newest) lacks OLD_PIP_OPTIONS: an
+    older one (Python 3.6-3.8's) keeps them, and pip 25.2 runs on none of those Pythons."""
+    pinned = re.fullmatch(r"pip==(\d+)\.(\d+)(?:\.\d+)*", pip.strip())
+    return not pinned or (int(pinned[1]), int(pinned[2])) >= PIP_WITHOUT_OLD_OPTIONS
 
 
 def _eval_commands(commands) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
@@ -656,7 +664,8 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
                 if cutoff:  # pip 26 takes it; the builder's cut-off index serves older pips (cutoff_index.py)
                     deps_env["PIP_UPLOADED_PRIOR_TO"] = cutoff
                 if spec.old_pip_options or _no_pep660(mirror.show(_setup_commit(members), "pyproject.toml")):
-                    deps_env["PIP_FOR_INSTALL"] = PIP_FOR_OLD_OPTIONS
+                    if _drops_old_options(pip):
+                        deps_env["PIP_FOR_INSTALL"] = PIP_FOR_OLD_OPTIONS
                     if spec.version < (3, 12) and not conda:
                         # `setup.py develop` under setuptools' own distutils links the checkout into
                         # /usr/lib/pythonX.Y/site-packages, which Debian's interpreter does not read (pylint
