@@ -436,3 +436,45 @@ def test_a_run_under_tox_is_guarded_too(tmp_path, registries, debian_bullseye_ba
     assert not forged.passed and forged.reason.startswith(
         "the candidate's code changed the test runner as the tests ran: _pytest.reports.TestReport."
         "from_item_and_call replaced (by calc/__init__.py, imported)"), forged.reason
+
+
+# pytest 3's _pytest.junitxml.Junit (py.xml's Namespace) makes any attribute it is asked for: a tag class.
+LAZY_CONFTEST = '''import _pytest.junitxml
+
+
+class _Tags(type):
+    def __getattr__(cls, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        made = type(name, (), {})
+        setattr(cls, name, made)
+        return made
+
+
+def pytest_configure(config):
+    _pytest.junitxml.Tags = _Tags("Tags", (), {"__module__": "_pytest.junitxml"})
+'''
+
+
+def test_a_runner_class_that_makes_what_it_is_asked_for_is_not_the_candidate_s_change(tmp_path):
+    """The guard's own look into the runner's classes (is a value a functools.partial: `.func`) made
+    Junit.func on pytest 3's lazy Junit class, and the next comparison, around the import of the candidate's
+    file during collection, blamed the file: astropy 1.3's gold patches failed with `_pytest.junitxml.Junit.func
+    added (by astropy/wcs/wcs.py, imported)`."""
+    venv = cached_venv("pytest", ("pytest==8.3.4",))
+    repo = tmp_path / "testbed"
+    (repo / "calc").mkdir(parents=True)
+    (repo / "calc" / "__init__.py").write_text("")
+    wrong, right = "def add(a, b):\n    return a - b\n", "def add(a, b):\n    return a + b\n"
+    (repo / "calc" / "ops.py").write_text(wrong)
+    git(repo, "init", "-q")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "base")
+    test = "from calc.ops import add\n\n\ndef test_add():\n    assert add(1, 2) == 3\n"
+    test_patch = file_diff("conftest.py", "", LAZY_CONFTEST) + file_diff("test_ops.py", "", test)
+    fix = file_diff("calc/ops.py", wrong, right)
+    task = RepoTask("lazy-1", "calc/calc", git(repo, "rev-parse", "HEAD").strip(), fix, test_patch,
+                    ("test_ops.py::test_add",), (), "lazy-1", test_cmd="pytest -rA")
+    options = GradeOptions(env={"PATH": f"{venv}/bin:/usr/bin:/bin"}, repo_timeout=300, python="python")
+    result = grade(task, fix, HostExecutor(template=repo, run_as=None), options)
+    assert result.passed and result.repo.runner_changes == [], (result.reason, result.repo.log[-2000:])

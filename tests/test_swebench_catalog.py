@@ -213,6 +213,20 @@ def test_no_use_pep517_gets_a_pip_that_has_it_and_runs_on_the_python(tmp_path, v
     assert "--no-use-pep517" in envs[f"scikit-learn__scikit-learn-{version}"].env["INSTALL"]
 
 
+@pytest.mark.parametrize("bootstraps", [True, False])
+def test_a_setup_that_fetches_its_helper_from_an_old_index_gets_it_in_the_deps_layer(tmp_path, bootstraps):
+    """astropy 1.3's setup.py runs ah_bootstrap.py, which fetches astropy-helpers with easy_install from
+    https://pypi.python.org/simple (no PIP_INDEX_URL, no cut-off; unreachable where only pypi.org is): the
+    deps layer installs it, and ah_bootstrap then finds it installed."""
+    row = {"repo": "astropy/astropy", "version": "1.3", "instance_id": "astropy__astropy-1"}
+    files = {"ah_bootstrap.py": "INDEX_URL = 'https://pypi.python.org/simple'\n"} if bootstraps else {"x.txt": "x\n"}
+    envs = _marshmallow_with(tmp_path, files, "--cutoff", "none", "--python", "3.6=registry.example/python:3.6",
+                             row=row)
+    packages = next(e for e in envs.values() if e.name.endswith("-deps")).env["PYTHON_PACKAGES"].split()
+    assert ("astropy-helpers" in packages) is bootstraps
+    assert "setuptools==38.2.4" in packages, "the spec's own packages stay"
+
+
 def test_no_layer_holds_a_commit_its_instance_may_not_see(tmp_path):
     """SWE-bench hides every commit after the base commit (the fix among them): the layers an instance
     stacks (history, version, instance) must hold only ancestors of its base commit."""

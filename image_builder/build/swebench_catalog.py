@@ -97,6 +97,12 @@ OLD_PIP_OPTIONS = ("--no-use-pep517",)
 PIP_FOR_OLD_OPTIONS = "pip==25.2"
 PIP_WITHOUT_OLD_OPTIONS = (25, 3)
 OLD_SETUPTOOLS = re.compile(r"[\"']setuptools\s*(?:~=|==|<=|<)\s*(\d+)")
+# Setup scripts that fetch their build helper themselves, with setuptools' easy_install from an index written in
+# them (ah_bootstrap.py: astropy <= 3.x and its affiliated packages, https://pypi.python.org/simple, which a site
+# that reaches only pypi.org cannot reach; neither PIP_INDEX_URL nor the cut-off applies), unless it is installed
+# already: the deps layer installs it, as of the cut-off (SWE-bench's clone lacks the git submodule too, and its
+# images got the helper from that index). astropy 1.3 failed: `Failed to download and/or install 'astropy-helpers'`.
+BOOTSTRAPPERS = {"ah_bootstrap.py": "astropy-helpers"}
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 CONDA_PREFIX = "/opt/conda/envs/testbed"  # a conda spec's environment (SWE-bench's: /opt/miniconda3/envs/testbed)
 WORKDIR = "/testbed"
@@ -653,6 +659,9 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
                                      for t, _ in members]
                 cutoff = cutoffs.of(repo, version, spec, [r for _, r in members])
                 packages, moved = cutoffs.with_wheels(spec, cutoff) if not conda else (spec.packages, [])
+                setup_commit = _setup_commit(members)
+                packages = [*packages, *(dist for script, dist in BOOTSTRAPPERS.items()
+                                         if dist not in packages and mirror.show(setup_commit, script) is not None)]
                 result.notes += [f"{t.original_id}: {line}" for line in (*u.replaced, *moved) for t, _ in members]
                 deps_env = {"PYTHON_PACKAGES": " ".join(packages)}
                 if conda:

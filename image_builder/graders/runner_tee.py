@@ -253,18 +253,31 @@ def _candidates(value):
     for _ in range(8):
         if isinstance(value, property):
             return any(_candidates(f) for f in (value.fget, value.fset, value.fdel) if f is not None)
-        inner = getattr(value, "__func__", None) or getattr(value, "func", None) or \
-            getattr(value, "__wrapped__", None)
-        code = getattr(value, "__code__", None)
-        if isinstance(code, _CODE):
-            return os.path.realpath(code.co_filename) in _guard["changed"]
         if isinstance(value, type):
             path = getattr(sys.modules.get(value.__module__), "__file__", None)
             return bool(path) and os.path.realpath(path) in _guard["changed"]
+        code = _held(value, "__code__")
+        if isinstance(code, _CODE):
+            return os.path.realpath(code.co_filename) in _guard["changed"]
+        inner = _held(value, "__func__") or _held(value, "func") or _held(value, "__wrapped__")
         if inner is None:
             return False
         value = inner
     return False
+
+
+def _held(value, name):
+    """value.name where the object or its class holds it, without calling a __getattr__ (which may make it:
+    pytest 3's junit Junit class, py.xml's, makes a tag for any name asked, and so changed the runner)."""
+    own = getattr(value, "__dict__", None)
+    if isinstance(own, dict) and name in own:
+        return own[name]
+    if any(name in vars(cls) for cls in type(value).__mro__):
+        try:
+            return getattr(value, name)
+        except Exception:
+            return None
+    return None
 
 
 def _culprit(frame):
