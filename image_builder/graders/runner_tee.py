@@ -269,12 +269,15 @@ def _candidates(value):
 def _held(value, name):
     """value.name where the object or its class holds it, without calling a __getattr__ (which may make it:
     pytest 3's junit Junit class, py.xml's, makes a tag for any name asked, and so changed the runner)."""
-    own = getattr(value, "__dict__", None)
+    try:
+        own = object.__getattribute__(value, "__dict__")  # never the fallback: no __getattr__ call
+    except Exception:
+        own = None
     if isinstance(own, dict) and name in own:
         return own[name]
     if any(name in vars(cls) for cls in type(value).__mro__):
         try:
-            return getattr(value, name)
+            return object.__getattribute__(value, name)
         except Exception:
             return None
     return None
