@@ -200,17 +200,18 @@ def _human(n: float) -> str:
 
 
 @main.command()
-@click.argument("environment")
+@click.argument("name")
 @store_option
 @backend_option
 @one_line_errors
-def debug(environment, store, backend):
-    """Open a shell in ENVIRONMENT's failed build, to rerun its scripts by hand."""
+def debug(name, store, backend):
+    """Open a shell in the failed build of NAME (an environment or an instance), to rerun its scripts by hand."""
     from image_builder.build.envbuild import debug_shell, failed_build
     from image_builder.build.sandbox import BuildBackend
-    failed = failed_build(store, environment)
+    failed = failed_build(store, name)
     click.echo(f"debug shell in {failed.where} ({(BuildBackend(backend) if backend else failed.backend).value}); "
-               "the scripts are in the catalog's env_scripts/; exit to leave", err=True)
+               "the scripts are in the catalog's env_scripts/ (an instance's staged in /tmp/.image-builder); "
+               "exit to leave", err=True)
     sys.exit(debug_shell(failed, BuildBackend(backend) if backend else None))
 
 

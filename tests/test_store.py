@@ -26,7 +26,7 @@ from image_builder.pack.sif import partition_offset
 from image_builder.store.index import read_index
 from image_builder.store.store import Store, UnknownInstance
 from tests.conftest import run_cli
-from tests.test_envbuild import write_catalog
+from tests.test_envbuild import drive_pty, write_catalog
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = json.loads((ROOT / "index/schema.json").read_text())
@@ -225,6 +225,28 @@ def test_failing_instance_does_not_stop_the_rest(tmp_path, tiny_base, registries
     assert "about-to-fail" in log.read_text()
     index = read_index(tmp_path / "store")
     assert set(index.instances) == {"task-0", "task-1"}, "the index lists only finished items"
+
+
+def test_a_failed_instance_build_opens_in_debug(tmp_path, tiny_base, registries):
+    """A failed instance's tree is kept as a failed environment's is (its upper over the environment's layers),
+    and `image-builder debug ID` opens a shell in it with the build's variables; before, only environments'
+    were kept (`no failed build of 'broken' in STORE/failed/envs`). gc removes it."""
+    bad = "#!/bin/sh\necho half-done > /work/partial\necho about-to-fail\nexit 4\n"
+    path = catalog(tmp_path, tiny_base, n=1, extra={"bad.sh": bad})
+    doc = yaml.safe_load(path.read_text())
+    doc["instances"].append({"id": "broken", "environment": "tiny", "script": "bad.sh", "workdir": "/work",
+                             "env": {"MARK": "from-the-build"}})
+    path.write_text(yaml.safe_dump(doc))
+    store = tmp_path / "store"
+    r = run_cli("build", str(path), "--store", str(store), "--cache-dir", str(tmp_path / "c"),
+                "--ca-cert", str(registries.tls.cert))
+    assert r.returncode == 1 and f"debug with: image-builder debug broken --store {store}" in r.stderr, r.stderr
+    out = drive_pty([str(ROOT / ".venv/bin/image-builder"), "debug", "broken", "--store", str(store)],
+                    b"cat /work/partial; echo mark=$MARK; cat /etc/from-env; exit\n")
+    assert "half-done" in out and "mark=from-the-build" in out, out
+    assert "\nenv" in out.replace("\r", ""), "the environment's layers are under it"
+    assert run_cli("gc", "--store", str(store)).returncode == 0
+    assert not (store / "failed/instances/broken").exists()
 
 
 def test_kill_9_mid_build_then_resume(tmp_path, tiny_base, registries):

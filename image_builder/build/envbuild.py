@@ -229,7 +229,8 @@ def build_environment(plan: EnvPlan, opts: BuildOptions) -> EnvBuild:
                       labels=labels, squash=replace(opts.squash, all_root=True),
                       extra_json={"image-builder.env.json": env})
     except BaseException as e:
-        keep_failed(paths, spec, work, env, backend, parent.layers if parent else ())
+        keep_failed(paths.failed_env(spec.name), work, env, backend, parent.layers if parent else (),
+                    spec.context)
         if isinstance(e, BuildFailed):
             raise
         if isinstance(e, (ImageBuilderError, OSError)):
@@ -288,17 +289,16 @@ def run_scripts(spec: EnvironmentSpec, sandbox: SandboxSpec, backend: BuildBacke
                               log=log, tail=result.failure_lines)
 
 
-def keep_failed(paths: StorePaths, spec: EnvironmentSpec, work: Path, env: dict[str, str],
-                backend: BuildBackend, layers: tuple[Path, ...]) -> None:
-    """Move a failed build's tree to failed/ with what `debug` needs to reopen it: the root filesystem,
-    or for a `from:` environment its upper directory and the parent's layers to mount under it.
+def keep_failed(dest: Path, work: Path, env: dict[str, str], backend: BuildBackend, layers: tuple[Path, ...],
+                context: Path | None) -> None:
+    """Move a failed build's tree (an environment's or an instance's) to `dest` under failed/ with what
+    `debug` needs to reopen it: the root filesystem, or for a build over layers (a `from:` environment, an
+    instance) its upper directory and the layers to mount under it.
 
     Best effort: it runs while reporting another failure (maybe a full disk),
     and must not replace that failure with its own.
     """
-    dest = paths.failed_env(spec.name)
-    record = {"environment": spec.name, "backend": backend.value, "env": env,
-              "context": str(spec.context) if spec.context else None, "scripts": [str(p) for p in spec.scripts],
+    record = {"backend": backend.value, "env": env, "context": str(context) if context else None,
               "layers": [str(p) for p in layers], "failed_at": int(time.time())}
     try:
         remove_tree(dest)
@@ -316,7 +316,7 @@ def keep_failed(paths: StorePaths, spec: EnvironmentSpec, work: Path, env: dict[
 @dataclass(frozen=True)
 class FailedBuild:
     name: str
-    where: Path  # failed/envs/<name>: rootfs/, or upper/ and scratch/ over `layers`
+    where: Path  # failed/{envs,instances}/<name>: rootfs/, or upper/ and scratch/ over `layers`
     backend: BuildBackend
     env: dict[str, str]
     context: Path | None
@@ -324,12 +324,16 @@ class FailedBuild:
 
 
 def failed_build(store: Path, name: str) -> FailedBuild:
-    where = StorePaths(store).failed_env(name)
-    try:
-        record = json.loads((where / "build.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ImageBuilderError(f"no failed build of {name!r} in {store}/failed/envs "
-                                "(only failed builds are kept for debugging)") from e
+    """The failed build of environment or instance `name` (an environment's first)."""
+    for where in (StorePaths(store).failed_env(name), StorePaths(store).failed_instance(name)):
+        try:
+            record = json.loads((where / "build.json").read_text())
+            break
+        except (OSError, ValueError):
+            continue
+    else:
+        raise ImageBuilderError(f"no failed build of {name!r} in {store}/failed (only failed builds of "
+                                "environments and instances are kept for debugging, until `image-builder gc`)")
     return FailedBuild(name, where, BuildBackend(record["backend"]), record["env"],
                        Path(record["context"]) if record.get("context") else None,
                        tuple(Path(p) for p in record.get("layers") or ()))

@@ -31,7 +31,8 @@ from image_builder.pack.squashfs import SquashOptions, pack
 from image_builder.store.files import atomic_write
 from image_builder.store.store import StorePaths, remove_tree
 from .catalog import InstanceSpec
-from .envbuild import BuildFailed, EnvBuild, clamp_to_epoch, layer_images, lower_children, tree_digest
+from .envbuild import (BuildFailed, EnvBuild, clamp_to_epoch, keep_failed, layer_images, lower_children,
+                       tree_digest)
 from .repo_history import HISTORY_SCRIPT, STAGED_AS, prune_command, script_digest
 from .sandbox import BuildBackend, Bind, Overlay, SandboxSpec, detect_backend, run as sandbox_run
 
@@ -110,7 +111,7 @@ def build_instance(spec: InstanceSpec, env: EnvBuild, store: Path, *, backend: B
     backend = backend or detect_backend()
     work = paths.work(f"inst-{spec.id}")
     remove_tree(work)
-    upper, scratch, merged = work / "upper", work / "work", work / "merged"
+    upper, scratch, merged = work / "upper", work / "scratch", work / "merged"  # keep_failed's names
     for d in (upper, scratch, merged):
         d.mkdir(parents=True)
     lowers = layer_images(env.layers)
@@ -135,8 +136,10 @@ def build_instance(spec: InstanceSpec, env: EnvBuild, store: Path, *, backend: B
                              timeout=spec.timeout, log=log, echo=verbose, files=staged)
         if result.returncode != 0:
             why = f"timed out after {spec.timeout:g} s" if result.timed_out else f"exited {result.returncode}"
+            keep_failed(paths.failed_instance(spec.id), work, sandbox.env, backend, env.layers, spec.context)
             raise BuildFailed(f"instance {spec.id}: script {spec.script.name if spec.script else '(files)'} "
-                              f"{why}; log: {log}", log=log, tail=result.failure_lines)
+                              f"{why}; log: {log}; debug with: image-builder debug {spec.id} --store {paths.root}",
+                              log=log, tail=result.failure_lines)
         normalise_upper(upper, lower_children(lowers))
         clamp_to_epoch(upper)  # as for environments: the same inputs make the same bytes
         pack(upper, dest, replace(squash, all_root=True))  # written by the sandbox's uid: root's inside

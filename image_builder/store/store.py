@@ -109,6 +109,9 @@ class StorePaths:
     def failed_env(self, name: str) -> Path:
         return self.root / "failed" / "envs" / _path_name(name)
 
+    def failed_instance(self, instance_id: str) -> Path:
+        return self.root / "failed" / "instances" / _path_name(instance_id)
+
     def work(self, name: str) -> Path:
         return self.root / "work" / f"{_path_name(name)}@{builder_mark()}"
 
