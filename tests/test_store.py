@@ -398,3 +398,14 @@ def test_a_store_another_user_cannot_read_is_one_line_not_a_traceback(tmp_path):
         assert result.stderr.strip().splitlines() == [
             f"Error: {store}: cannot read its index.json (Permission denied); its owner can share it with "
             f"`chmod -R a+rX {store}`"]
+
+
+def test_failed_instance_builds_kept_are_the_newest(tmp_path):
+    """A dataset whose spec is broken fails every instance: only the newest FAILED_KEPT trees stay."""
+    from image_builder.build.instances import make_room_for_failed
+    for i in range(20):
+        (tmp_path / f"i{i}").mkdir()
+        os.utime(tmp_path / f"i{i}", ns=(i * 10**9, i * 10**9))
+    make_room_for_failed(tmp_path, kept=16)
+    assert sorted(int(p.name[1:]) for p in tmp_path.iterdir()) == list(range(5, 20)), "15: room for one more"
+    make_room_for_failed(tmp_path / "none")  # no directory yet: nothing to do

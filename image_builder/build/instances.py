@@ -94,6 +94,26 @@ def write_record(paths: StorePaths, build: InstanceBuild) -> None:
     atomic_write(record_path(paths, build.id), lambda f: f.write(json.dumps(doc, indent=1).encode()))
 
 
+# Failed instance builds kept for `debug`, the newest: a broken spec or dataset fails all its instances, and a
+# store of thousands would keep an upper layer of each (sphinx's: 23.6 MB).
+FAILED_KEPT = 16
+
+
+def make_room_for_failed(directory: Path, kept: int = FAILED_KEPT) -> None:
+    """Remove the oldest failed builds in `directory` but the newest kept - 1, so one more fits."""
+    found = []
+    try:
+        for entry in directory.iterdir():
+            try:
+                found.append((entry.stat().st_mtime_ns, entry))
+            except OSError:  # removed meanwhile by another build
+                pass
+    except OSError:
+        return
+    for _, old in sorted(found)[:max(0, len(found) - kept + 1)]:
+        remove_tree(old)
+
+
 def build_instance(spec: InstanceSpec, env: EnvBuild, store: Path, *, backend: BuildBackend | None = None,
                    squash: SquashOptions = SquashOptions(), verbose: bool = False, force: bool = False) -> InstanceBuild:
     t0 = time.monotonic()
@@ -136,6 +156,7 @@ def build_instance(spec: InstanceSpec, env: EnvBuild, store: Path, *, backend: B
                              timeout=spec.timeout, log=log, echo=verbose, files=staged)
         if result.returncode != 0:
             why = f"timed out after {spec.timeout:g} s" if result.timed_out else f"exited {result.returncode}"
+            make_room_for_failed(paths.failed_instance(spec.id).parent)
             keep_failed(paths.failed_instance(spec.id), work, sandbox.env, backend, env.layers, spec.context)
             raise BuildFailed(f"instance {spec.id}: script {spec.script.name if spec.script else '(files)'} "
                               f"{why}; log: {log}; debug with: image-builder debug {spec.id} --store {paths.root}",
