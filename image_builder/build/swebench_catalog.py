@@ -672,7 +672,7 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
                                  **({"CONDA_EXCLUDE_NEWER": cutoff} if cutoff else {})}
                 if cutoff:  # pip 26 takes it; the builder's cut-off index serves older pips (cutoff_index.py)
                     deps_env["PIP_UPLOADED_PRIOR_TO"] = cutoff
-                if spec.old_pip_options or _no_pep660(mirror.show(_setup_commit(members), "pyproject.toml")):
+                if spec.old_pip_options or _no_pep660(mirror.show(setup_commit, "pyproject.toml")):
                     if _drops_old_options(pip):
                         deps_env["PIP_FOR_INSTALL"] = PIP_FOR_OLD_OPTIONS
                     if spec.version < (3, 12) and not conda:
