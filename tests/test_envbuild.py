@@ -486,6 +486,43 @@ def test_rootless_userns_build_with_apt_and_venv(public_dir, debian_base, public
     assert " 0/0 " in listing, "a rootless image's files must belong to root inside"
 
 
+CHOWNING_PACKAGE = r"""#!/bin/sh
+set -eu
+# A package as Debian's fontconfig-config is: its postinst hands a directory to the `staff` group.
+mkdir -p /tmp/pkg/DEBIAN /tmp/pkg/usr/share/ib-chown
+printf 'Package: ib-chown\nVersion: 1\nArchitecture: all\nMaintainer: t <t@example.org>\nDescription: t\n' \
+  > /tmp/pkg/DEBIAN/control
+printf '#!/bin/sh\nset -e\nmkdir -p /usr/local/share/ib-fonts\nchown root:staff /usr/local/share/ib-fonts\n' \
+  > /tmp/pkg/DEBIAN/postinst
+chmod 755 /tmp/pkg/DEBIAN/postinst
+dpkg-deb --root-owner-group --build /tmp/pkg /tmp/ib-chown.deb
+dpkg -i /tmp/ib-chown.deb
+chown 1000:1000 /usr/share/ib-chown
+stat -c '%u:%g' /usr/local/share/ib-fonts /usr/share/ib-chown > /etc/owners
+"""
+
+
+@pytest.mark.parametrize("user", ["root", "rootless"])
+def test_a_package_that_hands_files_to_a_system_group_installs(user, public_dir, debian_base, public_ca, registries):
+    """A user namespace maps one id: a chown to any other (dpkg's maintainer scripts: fontconfig-config's
+    `chown root:staff`, which graphviz pulls in) failed with EINVAL and failed the build (met on sphinx
+    8.1's pre_install). Now it succeeds and changes nothing: the files stay root's."""
+    work = public_dir / f"chown-{user}"
+    work.mkdir()
+    cat = write_catalog(work, [{"name": "chown", "base": debian_base, "scripts": ["pkg.sh"]}],
+                        {"pkg.sh": CHOWNING_PACKAGE})
+    if user == "root":
+        build_env(load(cat).environments["chown"], options(work, registries.tls.cert))
+        sif = next((work / "store").rglob("*.sif"))
+    else:
+        for p in work.rglob("*"):
+            p.chmod(0o777 if p.is_dir() else 0o666)
+        r = unprivileged_build(work, cat, public_ca, "userns")
+        assert r.returncode == 0, r.stdout + r.stderr
+        sif = built_image(work / "store", "chown")
+    assert sif_files(sif, work, "etc/owners")["etc/owners"] == "0:0\n0:0\n"
+
+
 def test_rootless_layered_build_shares_and_stacks(public_dir, tiny_base, public_ca):
     """As uid 65534 in a user namespace: two names with one key share an image, a `from:` environment and
     an instance over it are overlays, and the runtime (rootless, squashfuse per layer) stacks all three."""

@@ -351,6 +351,25 @@ def test_offline_an_address_nobody_answers_times_out_as_with_a_network(pool):
         assert (code, out.encode()) == (0, SILENT_OFFLINE)
 
 
+def test_localhost_resolves_in_a_job(pool):
+    """A job's root is made from the layers, not from its zygote's root (which its init gave Docker's
+    /etc/hosts): it gets one too, or a server on `localhost` fails with a name-resolution error."""
+    code, out, _ = job(pool, """
+import http.server, threading, urllib.request
+class Quiet(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+server = http.server.HTTPServer(("localhost", 0), Quiet)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+print(urllib.request.urlopen("http://localhost:%d/" % server.server_address[1]).status)
+print(open("/etc/hosts").read().split()[:2])
+""")
+    assert (code, out) == (0, "200\n['127.0.0.1', 'localhost']\n"), out
+
+
 def test_a_job_cannot_slow_down_the_next(pool):
     """A job that renices its scheduler autogroup (/proc/self/autogroup, or its zygote's) must not leave the
     next job at nice 19 (red team: an honest task timed out behind a job that wrote 19 there): each job has

@@ -8,7 +8,8 @@
   map needs; `unshare --map-users` would need newuidmap, which Debian leaves to the
   uidmap package) and exec the rest of the sandbox as that root.
 - PIVOT (every build, inside the namespaces, after the mounts): make the tree the root of
-  the mount namespace and detach the host's, set no_new_privs, exec the command. It
+  the mount namespace and detach the host's, set no_new_privs, load the seccomp filter
+  that fakes ownership changes (fake_chown_filter), exec the command. It
   replaces chroot, so the double-chroot breakout finds nothing to break out to. It is
   source for `python -S -E -c`, run by the base interpreter: it imports nothing of this
   package, which BUILD_UID may not be able to read.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import os
 import signal
 import stat
+import struct
 import sys
 
 from image_builder.runtime.mounts import CLONE_NEWNS, CLONE_NEWUSER, MS_BIND, MS_NOEXEC, MS_NOSUID, MS_PRIVATE, \
@@ -32,10 +34,10 @@ from image_builder.runtime.mounts import CLONE_NEWNS, CLONE_NEWUSER, MS_BIND, MS
 PR_SET_NO_NEW_PRIVS = 38
 PR_SET_PDEATHSIG = 1
 
-# argv: ROOT WORKDIR COMMAND...
+# argv: ROOT WORKDIR FILTER COMMAND... (FILTER: a seccomp program in hex, or "")
 PIVOT = r"""
 import ctypes, os, sys
-root, workdir, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
+root, workdir, bpf, argv = sys.argv[1], sys.argv[2], bytes.fromhex(sys.argv[3]), sys.argv[4:]
 libc = ctypes.CDLL(None, use_errno=True)
 number = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "riscv64": 41, "s390x": 217}.get(os.uname().machine)
 def check(ret, what):
@@ -50,6 +52,11 @@ check(libc.syscall(number, b".", b"."), f"pivot_root {root}")  # the old root no
 check(libc.umount2(b".", 2), "detaching the host's root")  # MNT_DETACH
 os.chdir("/")
 check(libc.prctl(38, 1, 0, 0, 0), "no_new_privs")
+if bpf:
+    class Prog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+    code = ctypes.create_string_buffer(bpf, len(bpf))
+    check(libc.prctl(22, 2, ctypes.byref(Prog(len(bpf) // 8, ctypes.addressof(code))), 0, 0), "seccomp")
 try:
     os.chdir(workdir)
     os.execv(argv[0], argv)
@@ -57,6 +64,35 @@ except OSError as e:
     sys.stderr.write(f"image-builder sandbox: {argv[0]} in {workdir}: {e.strerror}\n")
     os._exit(127)
 """
+
+# A user namespace that maps one id (root) refuses every change of ownership to another id with EINVAL:
+# dpkg unpacking a file of a system group, a maintainer script's `chown root:staff` (fontconfig-config's
+# postinst, which graphviz and texlive pull in: sphinx 8.x's and matplotlib's pre_install failed on it).
+# As Charliecloud's seccomp mode does, the build's processes have chown, fchown, lchown and fchownat
+# answer success without doing anything: the files stay root's, as a one-id image has them anyway.
+# AUDIT_ARCH_* and the system call numbers, by `uname -m` (32-bit programs on x86_64 use i386's).
+_CHOWN_CALLS = {"x86_64": ((0xC000003E, (92, 93, 94, 260)),  # chown fchown lchown fchownat
+                           (0x40000003, (16, 95, 182, 198, 207, 212, 298))),  # i386's, with the *32 ones
+                "aarch64": ((0xC00000B7, (54, 55)),)}  # fchownat fchown (no chown, lchown)
+_LD_W_ABS, _JEQ_K, _RET_K = 0x20, 0x15, 0x06
+_RET_ALLOW, _RET_SUCCESS = 0x7FFF0000, 0x00050000  # SECCOMP_RET_ERRNO with errno 0: returns 0, does nothing
+
+
+def fake_chown_filter(machine: str) -> bytes:
+    """The seccomp program (struct sock_filter[]) PIVOT loads; b"" on an architecture not listed."""
+    insns: list[tuple[int, int, int, int]] = []
+    for arch, calls in _CHOWN_CALLS.get(machine, ()):
+        insns.append((_LD_W_ABS, 0, 0, 4))  # seccomp_data.arch
+        insns.append((_JEQ_K, 0, len(calls) + 2, arch))  # another arch: on to the next block
+        insns.append((_LD_W_ABS, 0, 0, 0))  # seccomp_data.nr
+        insns += [(_JEQ_K, -1, 0, nr) for nr in calls]  # -1: to the last instruction, below
+        insns.append((_RET_K, 0, 0, _RET_ALLOW))
+    if not insns:
+        return b""
+    insns += [(_RET_K, 0, 0, _RET_ALLOW), (_RET_K, 0, 0, _RET_SUCCESS)]
+    last = len(insns) - 1
+    return b"".join(struct.pack("=HBBI", code, last - i - 1 if jt == -1 else jt, jf, k)
+                    for i, (code, jt, jf, k) in enumerate(insns))
 
 
 def _fail(what: str) -> None:

@@ -11,8 +11,9 @@ may run as root: nothing of the host may be reachable from inside.
   it gets a /dev of its own (null, zero, full, random, urandom, tty, pts, shm: no
   block devices), a fresh /proc with host-information files masked and /proc/sys
   read-only (runtime.mounts.PROC_MASKED, PROC_READONLY, as for runs), no /sys, and
-  no_new_privs. Every mount lives in the namespace and vanishes with it. Costs
-  almost nothing over chroot.
+  no_new_privs. One id is mapped, so a chown to another one (dpkg's maintainer
+  scripts) answers success and does nothing (enter.fake_chown_filter). Every mount
+  lives in the namespace and vanishes with it. Costs almost nothing over chroot.
 - `proot` (no user namespaces): `proot -0`, ptrace-based and slow on syscall-heavy
   work, and no isolation to speak of: a warning says so, and root never gets it.
 
@@ -49,7 +50,7 @@ from image_builder.runtime.extract import remove_proot_leftovers
 from image_builder.runtime.mounts import DEV_NODES, PROC_MASKED, PROC_READONLY, squashfuse
 from image_builder.store.store import builder_mark, dead_builder, remove_tree
 from .cutoff_index import cutoff_index
-from .enter import PIVOT
+from .enter import PIVOT, fake_chown_filter
 
 CA_IN_SANDBOX = "/tmp/.image-builder/ca.pem"
 APT_CONF_IN_SANDBOX = "/tmp/.image-builder/apt.conf"
@@ -127,7 +128,7 @@ class SandboxSpec:
     env: dict[str, str] = field(default_factory=dict)  # on top of the clean base environment
     workdir: str = "/"
     binds: tuple[Bind, ...] = ()
-    host_network_files: bool = True  # resolv.conf, CA bundle and proxy variables from the host
+    host_network_files: bool = True  # resolv.conf, hosts, CA bundle and proxy variables from the host
     overlay: Overlay | None = None  # root is then an empty mount point for the stacked layers
 
 
@@ -284,9 +285,10 @@ def _namespace_command(spec: SandboxSpec, argv: list[str], staging: Path) -> lis
               'target tmp dir',
               f'{mount} -t tmpfs -o nosuid,nodev,mode=1777 tmpfs "$R/tmp"',
               'mkdir "$R/tmp/.image-builder" && cp -a "$S/files/." "$R/tmp/.image-builder/"']
-    if spec.host_network_files and Path("/etc/resolv.conf").exists():
-        lines.append(f'if target etc/resolv.conf file; then {mount} --bind /etc/resolv.conf "$R/etc/resolv.conf" && '
-                     f'{mount} -o remount,bind,ro "$R/etc/resolv.conf"; fi')
+    for name in ("resolv.conf", "hosts"):  # the host's names (`localhost` too), as apptainer binds them
+        if spec.host_network_files and Path(f"/etc/{name}").exists():
+            lines.append(f'if target etc/{name} file; then {mount} --bind /etc/{name} "$R/etc/{name}" && '
+                         f'{mount} -o remount,bind,ro "$R/etc/{name}"; fi')
     for i, b in enumerate(spec.binds):
         rel = b.dest.strip("/")
         if ".." in Path(rel).parts:
@@ -297,7 +299,8 @@ def _namespace_command(spec: SandboxSpec, argv: list[str], staging: Path) -> lis
             lines.append(f'{mount} -o remount,bind,ro "$R"/{q(rel)}')
     # The base interpreter: a venv's may lie where the sandbox's user cannot read.
     python = os.path.realpath(sys.executable)
-    lines.append("exec " + " ".join(q(a) for a in [python, "-S", "-E", "-c", PIVOT, root, spec.workdir, *argv]))
+    bpf = fake_chown_filter(os.uname().machine).hex()
+    lines.append("exec " + " ".join(q(a) for a in [python, "-S", "-E", "-c", PIVOT, root, spec.workdir, bpf, *argv]))
     inner = [tool["unshare"], "--mount", "--pid", "--fork", "--kill-child", "--propagation", "private",
              "--", "/bin/sh", "-c", "\n".join(lines)]
     if os.geteuid() != 0:
@@ -324,8 +327,9 @@ def _proot_command(spec: SandboxSpec, argv: list[str], tmp: Path) -> list[str]:
         raise SandboxError("the proot backend needs proot on PATH; install it, or use --backend userns")
     cmd = [proot, "-0", "-r", str(spec.root), "-b", "/dev", "-b", "/proc", "-b", "/sys",
            "-b", f"{tmp}:/tmp", "-w", spec.workdir]
-    if spec.host_network_files and Path("/etc/resolv.conf").exists():
-        cmd += ["-b", "/etc/resolv.conf"]
+    for name in ("resolv.conf", "hosts"):
+        if spec.host_network_files and Path(f"/etc/{name}").exists():
+            cmd += ["-b", f"/etc/{name}"]
     for b in spec.binds:
         cmd += ["-b", f"{b.src}:{b.dest}"]  # proot has no read-only binds
     return [*cmd, *argv]

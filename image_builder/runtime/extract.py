@@ -379,6 +379,8 @@ class ExtractSession(Session):
         if proot is None:
             raise RunnerError("proot is not installed (apt-get install proot)")
         cmd = [proot, "-0", "-r", str(root), "-w", job["workdir"], "-b", "/dev", "-b", "/proc", "-b", f"{tmp}:/tmp"]
+        if os.path.isfile("/etc/hosts"):  # the host's network, so its names (`localhost`), as apptainer binds them
+            cmd += ["-b", "/etc/hosts"]
         for b in self.binds:
             cmd += ["-b", f"{Path(b.src).resolve()}:{b.dest}"]
         return [*cmd, *job["argv"]]

@@ -149,6 +149,31 @@ def build_root(layers, scratch_kb):
     check(libc.syscall(PIVOT_ROOT[os.uname().machine], b".", b"."), "pivot_root")
     check(libc.umount2(b".", MNT_DETACH), "detach the zygote's root")
     os.chdir("/")
+    default_hosts()
+
+
+# Docker's /etc/hosts, for a root whose layers have none (native/init.c default_hosts says why)
+HOSTS = (b"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\nfe00::0\tip6-localnet\n"
+         b"ff00::0\tip6-mcastprefix\nff02::1\tip6-allnodes\nff02::2\tip6-allrouters\n127.0.1.1\tsandbox\n")
+
+
+def default_hosts():
+    """As init.c's: Docker's /etc/hosts in the job's writable layer where its layers have none."""
+    try:
+        etc = os.open("/etc", os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return
+    try:
+        if os.fstat(etc).st_dev == os.stat("/").st_dev:
+            fd = os.open("hosts", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=etc)
+            try:
+                os.write(fd, HOSTS)
+            finally:
+                os.close(fd)
+    except OSError:  # there is one, or the layer is full: the job goes on without
+        pass
+    finally:
+        os.close(etc)
 
 
 # Addresses that answer nobody on the internet either: documentation and reserved ranges, and 10.255.255.1,

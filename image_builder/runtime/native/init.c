@@ -399,6 +399,29 @@ static void scratch_sizes(const struct spec *s, int64_t memory_mb, char out[3][6
    root (kernel backend) keeps no capability on the host. Sets descriptors of the run's
    cgroup (the host's /sys is gone afterwards) and of the three tmpfs (opened as mounted: a
    bind over /tmp must not be what finish_root resizes). */
+/* Docker writes each container an /etc/hosts and apptainer binds the host's: tests that serve on
+   "localhost" need the name (sphinx's intersphinx tests, Django's live servers; without it they fail
+   with a name-resolution error, which reads as a run that needed the network). A root whose image has
+   none (a debootstrap tree, most registry images) gets Docker's, in its writable layer; an image's own
+   is kept. Not through a symlink, nor into a directory mounted at /etc. */
+static const char HOSTS[] = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+                            "fe00::0\tip6-localnet\nff00::0\tip6-mcastprefix\nff02::1\tip6-allnodes\n"
+                            "ff02::2\tip6-allrouters\n127.0.1.1\tsandbox\n";
+
+static void default_hosts(void) {
+    struct stat root, etc;
+    int dir = open("/etc", O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC), fd = -1;
+    if (dir >= 0 && !stat("/", &root) && !fstat(dir, &etc) && root.st_dev == etc.st_dev)
+        fd = openat(dir, "hosts", O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+    if (fd >= 0) {
+        ssize_t n = write(fd, HOSTS, sizeof HOSTS - 1); /* a full layer: the run goes on without the name */
+        (void)n;
+        close(fd);
+    }
+    if (dir >= 0)
+        close(dir);
+}
+
 static int enter_root(const struct spec *s, int *cgroup, int scratch_fd[3]) {
     char sizes[3][64], opts[3 * PATH_MAX], path[PATH_MAX], upper[PATH_MAX], work[PATH_MAX];
     struct stat st;
@@ -511,6 +534,7 @@ static int enter_root(const struct spec *s, int *cgroup, int scratch_fd[3]) {
         return fail("pivot_root: %s", strerror(errno));
     if (umount2(".", MNT_DETACH) || chdir("/"))
         return fail("detach the host's root: %s", strerror(errno));
+    default_hosts();
     return 0;
 }
 
