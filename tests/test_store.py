@@ -31,10 +31,12 @@ from tests.test_envbuild import drive_pty, write_catalog
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = json.loads((ROOT / "index/schema.json").read_text())
 
-ENV_SCRIPT = "#!/bin/sh\nset -e\nmkdir -p /etc/keep /etc/opaque\necho e > /etc/keep/file\n" \
-             "echo one > /etc/opaque/one\necho two > /etc/opaque/two\necho env > /etc/from-env\n"
+# /etc/opaque is removed and made again above: what the layers below had in it, its subdirectories' too, is gone
+ENV_SCRIPT = "#!/bin/sh\nset -e\nmkdir -p /etc/keep /etc/opaque/sub\necho e > /etc/keep/file\n" \
+             "echo one > /etc/opaque/one\necho two > /etc/opaque/two\necho old > /etc/opaque/sub/old\n" \
+             "echo env > /etc/from-env\n"
 INSTANCE_SCRIPT = "#!/bin/sh\nset -e\necho \"$TASK\" > /etc/task\nrm /etc/from-env\n" \
-                  "rm -rf /etc/opaque && mkdir /etc/opaque && echo new > /etc/opaque/new\n"
+                  "rm -rf /etc/opaque && mkdir -p /etc/opaque/sub && echo new > /etc/opaque/new\n"
 
 
 def catalog(tmp: Path, base: str, n: int = 3, instance_script: str = INSTANCE_SCRIPT, extra: dict | None = None):
@@ -111,7 +113,8 @@ def test_store_build_instances_index_and_stacking(tmp_path, tiny_base, registrie
         m = stack.merged
         assert (m / "etc/task").read_text() == "task 1\n"
         assert not (m / "etc/from-env").exists(), "a deletion in the instance hides the env's file"
-        assert sorted(os.listdir(m / "etc/opaque")) == ["new"]
+        assert sorted(os.listdir(m / "etc/opaque")) == ["new", "sub"]
+        assert os.listdir(m / "etc/opaque/sub") == [], "a directory made again in an opaque one hides the old one's"
         assert (m / "etc/keep/file").read_text() == "e\n"
     finally:
         stack.close()
@@ -120,7 +123,7 @@ def test_store_build_instances_index_and_stacking(tmp_path, tiny_base, registrie
 LAYERED_SCRIPTS = {
     "env.sh": ENV_SCRIPT,
     "tool-a.sh": "#!/bin/sh\nset -e\necho a > /etc/tool\nrm /etc/from-env\n"
-                 "rm -rf /etc/opaque && mkdir /etc/opaque && echo a > /etc/opaque/a\n",
+                 "rm -rf /etc/opaque && mkdir -p /etc/opaque/sub && echo a > /etc/opaque/a\n",
     "tool-b.sh": "#!/bin/sh\nset -e\necho b > /etc/tool\n",
     "inst.sh": "#!/bin/sh\nset -e\necho \"$TASK\" > /etc/task\n",
 }
@@ -166,14 +169,16 @@ def test_environments_share_images_by_key_and_layer_from_others(tmp_path, tiny_b
     try:
         m = stack.merged
         assert (m / "etc/tool").read_text() == "a\n" and (m / "etc/task").read_text() == "a 1\n"
-        assert not (m / "etc/from-env").exists() and sorted(os.listdir(m / "etc/opaque")) == ["a"]
+        assert not (m / "etc/from-env").exists() and sorted(os.listdir(m / "etc/opaque")) == ["a", "sub"]
+        assert os.listdir(m / "etc/opaque/sub") == [], "the environment's /etc/opaque/sub/old is gone"
         assert (m / "etc/keep/file").read_text() == "e\n"
     finally:
         stack.close()
     layers = InstanceLayers.of(resolved)
     with open_session(layers, state_dir=tmp_path / "state") as session:  # the real runtime, layers checked
-        out = session.run(RunRequest(("sh", "-c", "cat /etc/tool /etc/task; echo $TOOL; ls /etc/opaque"), timeout=30))
-    assert out.exit_code == 0 and out.stdout == b"a\na 1\na\na\n", out
+        out = session.run(RunRequest(("sh", "-c", "cat /etc/tool /etc/task; echo $TOOL; ls /etc/opaque "
+                                      "/etc/opaque/sub"), timeout=30))
+    assert out.exit_code == 0 and out.stdout == b"a\na 1\na\n/etc/opaque:\na\nsub\n\n/etc/opaque/sub:\n", out
 
     again = build_store(load(path), opts(tmp_path, registries.tls.cert))
     assert {r.status for r in again.results} == {"up to date"}

@@ -67,15 +67,18 @@ def test_catalog_from_the_specs_layers_history_and_builds_each_instance_once(tmp
     assert envs[f"{slug}-py3.9-history"].parent == "python-3.9-cc"
 
 
-def _marshmallow_with(tmp: Path, files: dict[str, str], *extra: str, row: dict | None = None) -> dict:
-    """A catalog of marshmallow 3.0's instance on a commit adding FILES (its dataset row changed by ROW: another
-    repository's spec over marshmallow's history); its environments by name."""
+def _marshmallow_with(tmp: Path, files: dict[str, str | None], *extra: str, row: dict | None = None) -> dict:
+    """A catalog of marshmallow 3.0's instance on a commit adding FILES (None: removing it; its dataset row
+    changed by ROW: another repository's spec over marshmallow's history); its environments by name."""
     changed = row or {}
     repo = tmp / changed.get("repo", "marshmallow").split("/")[-1]
     subprocess.run(["git", "clone", "-q", str(DATA / "repos/marshmallow.bundle"), str(repo)], check=True)
     row = [json.loads(line) for line in MARSHMALLOW.read_text().splitlines()][1]
     git(repo, "checkout", "-q", row["base_commit"])
     for name, text in files.items():
+        if text is None:
+            git(repo, "rm", "-q", name)
+            continue
         (repo / name).parent.mkdir(parents=True, exist_ok=True)
         (repo / name).write_text(text)
         git(repo, "add", name)
@@ -225,6 +228,24 @@ def test_a_setup_that_fetches_its_helper_from_an_old_index_gets_it_in_the_deps_l
     packages = next(e for e in envs.values() if e.name.endswith("-deps")).env["PYTHON_PACKAGES"].split()
     assert ("astropy-helpers" in packages) is bootstraps
     assert "setuptools==38.2.4" in packages, "the spec's own packages stay"
+
+
+@pytest.mark.parametrize("pyproject, python, legacy", [(None, "3.9", True), ("[tool.black]\n", "3.9", False),
+                                                     (None, "3.6", False)])
+def test_a_bootstrapping_setup_with_no_pyproject_installs_in_the_environment(tmp_path, pyproject, python, legacy):
+    """astropy 3.0 and 3.1 have ah_bootstrap.py and no pyproject.toml: SWE-bench's pips ran their `setup.py
+    develop` in the environment, where the deps layer's astropy-helpers is; pip 26 builds them in isolation,
+    where ah_bootstrap finds nothing and fails. A pip that installs them the old way comes after the packages,
+    and distutils is Debian's (as for every `setup.py develop` here); not where the checkout has a
+    pyproject.toml (those pips built it in isolation too), nor on 3.6, whose pip (21.3.1) does it already."""
+    row = {"repo": "astropy/astropy", "version": "3.1" if python == "3.9" else "1.3", "instance_id": "astropy__astropy-2"}
+    envs = _marshmallow_with(tmp_path, {"ah_bootstrap.py": "INDEX_URL = 'https://pypi.python.org/simple'\n",
+                                        "pyproject.toml": pyproject},
+                             "--cutoff", "none", "--python", "3.6=registry.example/python:3.6", row=row)
+    deps = next(e for e in envs.values() if e.name.endswith("-deps")).env
+    assert "astropy-helpers" in deps["PYTHON_PACKAGES"].split()
+    assert deps.get("PIP_FOR_INSTALL") == ("pip==25.0.1" if legacy else None), deps
+    assert (deps.get("SETUPTOOLS_USE_DISTUTILS") == "stdlib") is legacy
 
 
 def test_no_layer_holds_a_commit_its_instance_may_not_see(tmp_path):

@@ -130,12 +130,19 @@ def layer_images(layers: tuple[Path, ...]) -> tuple[SquashImage, ...]:
 
 
 def lower_children(images: tuple[SquashImage, ...]) -> Callable[[str], list[str]]:
-    """Names directly under a directory of the layers below (for opaque directories; a name some upper
-    layer hid is listed too, and only costs a whiteout that hides nothing)."""
+    """Names directly under a directory of the layers below (for opaque directories and those under them; a
+    name some upper layer hid is listed too, and only costs a whiteout that hides nothing). An opaque
+    directory's whole subtree is listed once (unsquashfs -l lists recursively), its subdirectories' names
+    taken from that listing."""
+    listed: dict[str, list[str]] = {}  # an opaque directory -> every path the layers hold under it
+
     def children(rel_dir: str) -> list[str]:
+        root = next((r for r in listed if rel_dir == r or rel_dir.startswith(f"{r}/")), None)
+        if root is None:
+            root = rel_dir
+            listed[root] = [p for image in images for p in list_paths(image.path, rel_dir, image.offset)]
         prefix = f"/{rel_dir}/"
-        return sorted({p[len(prefix):].split("/")[0] for image in images
-                       for p in list_paths(image.path, rel_dir, image.offset)
+        return sorted({p[len(prefix):].split("/")[0] for p in listed[root]
                        if p.startswith(prefix) and p[len(prefix):]})
     return children
 

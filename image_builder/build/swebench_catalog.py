@@ -96,6 +96,13 @@ PIPS = {(3, 10): "pip==26.3", (3, 9): "pip==26.0.1", (3, 8): "pip==25.0.1", (3, 
 OLD_PIP_OPTIONS = ("--no-use-pep517",)
 PIP_FOR_OLD_OPTIONS = "pip==25.2"
 PIP_WITHOUT_OLD_OPTIONS = (25, 3)
+# A checkout with no pyproject.toml was installed by SWE-bench's pips (before 25.1) with `setup.py develop`, in
+# the environment; pip 25.1+ builds it in isolation, where a setup.py that imports what the environment has
+# (ah_bootstrap's astropy-helpers, numpy) finds nothing: astropy 3.0/3.1 failed (`/usr/local/bin/python: No
+# module named pip`, ah_bootstrap's last try). Where such a checkout bootstraps (BOOTSTRAPPERS) and the layer's
+# pip is 25.1 or newer, pip 25.0.1, the last that installs it so (Python 3.8+), comes after the packages.
+PIP_FOR_LEGACY_DEVELOP = "pip==25.0.1"
+PIP_WITHOUT_LEGACY_DEVELOP = (25, 1)
 OLD_SETUPTOOLS = re.compile(r"[\"']setuptools\s*(?:~=|==|<=|<)\s*(\d+)")
 # Setup scripts that fetch their build helper themselves, with setuptools' easy_install from an index written in
 # them (ah_bootstrap.py: astropy <= 3.x and its affiliated packages, https://pypi.python.org/simple, which a site
@@ -377,11 +384,12 @@ def read_specs(path: Path, constants: types.ModuleType) -> tuple[types.SimpleNam
     return types.SimpleNamespace(**tables), parsers
 
 
-def _drops_old_options(pip: str) -> bool:
-    """Whether the pip a Python layer gets (a requirement; "" or a range: the newest) lacks OLD_PIP_OPTIONS: an
-    older one (Python 3.6-3.8's) keeps them, and pip 25.2 runs on none of those Pythons."""
+def _pip_at_least(pip: str, version: tuple[int, int]) -> bool:
+    """Whether the pip a Python layer gets (a requirement; "" or a range: the newest) is `version` or newer:
+    lacks OLD_PIP_OPTIONS (PIP_WITHOUT_OLD_OPTIONS) or legacy develop (PIP_WITHOUT_LEGACY_DEVELOP). An older one
+    (Python 3.6-3.8's) keeps them, and the pips that do (25.0.1, 25.2) run on none of 3.6 and 3.7."""
     pinned = re.fullmatch(r"pip==(\d+)\.(\d+)(?:\.\d+)*", pip.strip())
-    return not pinned or (int(pinned[1]), int(pinned[2])) >= PIP_WITHOUT_OLD_OPTIONS
+    return not pinned or (int(pinned[1]), int(pinned[2])) >= version
 
 
 def _eval_commands(commands) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
@@ -660,8 +668,10 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
                 cutoff = cutoffs.of(repo, version, spec, [r for _, r in members])
                 packages, moved = cutoffs.with_wheels(spec, cutoff) if not conda else (spec.packages, [])
                 setup_commit = _setup_commit(members)
-                packages = [*packages, *(dist for script, dist in BOOTSTRAPPERS.items()
-                                         if dist not in packages and mirror.show(setup_commit, script) is not None)]
+                helpers = [dist for script, dist in BOOTSTRAPPERS.items() if mirror.show(setup_commit, script) is not None]
+                packages = [*packages, *(dist for dist in helpers if dist not in packages)]
+                pyproject = mirror.show(setup_commit, "pyproject.toml")
+                legacy = bool(helpers) and pyproject is None and _pip_at_least(pip, PIP_WITHOUT_LEGACY_DEVELOP)
                 result.notes += [f"{t.original_id}: {line}" for line in (*u.replaced, *moved) for t, _ in members]
                 deps_env = {"PYTHON_PACKAGES": " ".join(packages)}
                 if conda:
@@ -672,8 +682,10 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
                                  **({"CONDA_EXCLUDE_NEWER": cutoff} if cutoff else {})}
                 if cutoff:  # pip 26 takes it; the builder's cut-off index serves older pips (cutoff_index.py)
                     deps_env["PIP_UPLOADED_PRIOR_TO"] = cutoff
-                if spec.old_pip_options or _no_pep660(mirror.show(setup_commit, "pyproject.toml")):
-                    if _drops_old_options(pip):
+                if spec.old_pip_options or _no_pep660(pyproject) or legacy:
+                    if legacy:
+                        deps_env["PIP_FOR_INSTALL"] = PIP_FOR_LEGACY_DEVELOP
+                    elif _pip_at_least(pip, PIP_WITHOUT_OLD_OPTIONS):
                         deps_env["PIP_FOR_INSTALL"] = PIP_FOR_OLD_OPTIONS
                     if spec.version < (3, 12) and not conda:
                         # `setup.py develop` under setuptools' own distutils links the checkout into

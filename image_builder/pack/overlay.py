@@ -11,7 +11,10 @@ that form, whatever wrote it:
   `trusted.`/`user.overlay.opaque` xattr or a `.wh..wh..opq` file. Which xattr
   a reader honours depends on how it mounts (privileged or not), so instead an
   opaque directory gets an explicit whiteout for every entry the layers below
-  have there: the same result for every reader, and no xattr needed.
+  have there: the same result for every reader, and no xattr needed. So does
+  every directory made again inside one (unmarked: the kernel hides all below an
+  opaque directory), else the layers' entries under it showed through (pip 26
+  replaced by 25.0.1 kept 26's `_vendor/resolvelib/resolvers/`, and failed).
 
 Other overlayfs bookkeeping xattrs are dropped. Unprivileged users may create
 0:0 character devices (Linux 5.8+), so this works rootless too.
@@ -67,9 +70,10 @@ def normalise_upper(upper: Path, lower_children: Callable[[str], list[str]]) -> 
     """Rewrite `upper` in place into Apptainer overlay form.
 
     `lower_children(rel_dir)` lists the names the layers below hold in a
-    directory; it is asked only for opaque directories.
+    directory; it is asked only for opaque directories and those under them.
     """
     entries = whiteouts = opaque = 0
+    hiding: set[str] = set()  # directories that hide what the layers below have there (opaque, or in one)
     for dirpath, dirnames, filenames in walk(upper):
         rel_dir = os.path.relpath(dirpath, upper)
         rel_dir = "" if rel_dir == "." else rel_dir
@@ -79,6 +83,8 @@ def normalise_upper(upper: Path, lower_children: Callable[[str], list[str]]) -> 
             if attr in OPAQUE_XATTRS and os.getxattr(dirpath, attr, follow_symlinks=False) == b"y":
                 is_opaque = True
             os.removexattr(dirpath, attr, follow_symlinks=False)
+        opaque += is_opaque and bool(rel_dir)
+        is_opaque = is_opaque or (bool(rel_dir) and os.path.dirname(rel_dir) in hiding)
         for name in sorted(filenames):
             path = os.path.join(dirpath, name)
             if name == OPAQUE_MARKER:
@@ -99,7 +105,7 @@ def normalise_upper(upper: Path, lower_children: Callable[[str], list[str]]) -> 
                     os.removexattr(path, attr, follow_symlinks=False)
             entries += 1
         if is_opaque and rel_dir:
-            opaque += 1
+            hiding.add(rel_dir)
             present = set(os.listdir(dirpath))
             for name in lower_children(rel_dir):
                 if name not in present:
