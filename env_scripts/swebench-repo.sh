@@ -24,8 +24,9 @@
 set -eu
 # Editable installs put the checkout on sys.path (a .pth path entry), as the older setuptools of SWE-bench's
 # conda environments do: pylint's tests find its modules by path, and an editable finder hook broke 8 of
-# pylint-6506's tests.
-export PIP_CONFIG_SETTINGS="editable_mode=compat"
+# pylint-6506's tests. Not where the environment installs with `setup.py develop` (LEGACY_DEVELOP: swebench
+# catalog's PIP_FOR_LEGACY_DEVELOP), as SWE-bench's pips did: config settings force pip's isolated build.
+[ -n "${LEGACY_DEVELOP:-}" ] || export PIP_CONFIG_SETTINGS="editable_mode=compat"
 export PIP_NO_CACHE_DIR=1  # a cache would be packed into the layer
 W="${WORKDIR:-/testbed}"
 mkdir -p "$W"

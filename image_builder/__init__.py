@@ -17,4 +17,4 @@ The sub-packages are the pipeline; each may import the ones before it, never one
 tests/test_layout.py keeps this true.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.1.1"  # in every build key: a fix to what builds make rebuilds them

@@ -35,6 +35,7 @@ from image_builder.runtime.execution import RunRequest, RunResult
 from image_builder.runtime.mounts import INIT_ENV, PROC_MASKED
 from image_builder.runtime.session import Backend, InstanceLayers
 from tests.support.proot_files import dead_proots_files
+from tests.support.servers import LOCALHOST_SERVER
 from tests.support.terminal import read_pty
 
 ROOTFS_CACHE = Path.home() / ".cache" / "image_builder-tests"
@@ -390,29 +391,12 @@ def test_network_is_off_unless_asked(case, listener):
     assert on.stdout == b"connected\n", on
 
 
-# A server on `localhost` and a client of it, as test suites start them (sphinx's intersphinx tests,
-# Django's live servers): the name must resolve in a run as in Docker, which writes every container an
-# /etc/hosts. The images here have none, as a debootstrap tree or most registry images have none.
-LOCALHOST = """
-import http.server, threading, urllib.request
-class Quiet(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200)
-        self.end_headers()
-    def log_message(self, *args):
-        pass
-server = http.server.HTTPServer(("localhost", 0), Quiet)
-threading.Thread(target=server.serve_forever, daemon=True).start()
-print(urllib.request.urlopen("http://localhost:%d/" % server.server_address[1]).status)
-"""
-
-
 def test_localhost_resolves_in_a_run_whose_image_has_no_hosts_file(case):
     """Before: `socket.gaierror: [Errno -3] Temporary failure in name resolution`, so the two intersphinx
     tests of a sphinx 8.1 instance failed, gold patch or not, and the grader read the run as one that
     needed the network."""
     assert not (debian_rootfs("bookworm", ROOTFS_CACHE) / "etc/hosts").exists(), "the image must have none"
-    r = case.one(py(LOCALHOST), network=case.backend == "extract")
+    r = case.one(py(LOCALHOST_SERVER), network=case.backend == "extract")
     assert r.exit_code == 0 and r.stdout == b"200\n", r
     if case.backend != "extract":  # the layers are not changed: the file is the run's, in its writable layer
         assert {p.name: _digest(p) for p in (case.images.env_sif, case.images.inst_sqfs)} == case.images.digests

@@ -245,6 +245,7 @@ def test_a_bootstrapping_setup_with_no_pyproject_installs_in_the_environment(tmp
     deps = next(e for e in envs.values() if e.name.endswith("-deps")).env
     assert "astropy-helpers" in deps["PYTHON_PACKAGES"].split()
     assert deps.get("PIP_FOR_INSTALL") == ("pip==25.0.1" if legacy else None), deps
+    assert (deps.get("LEGACY_DEVELOP") == "1") is legacy, "and no config settings, which force an isolated build"
     assert (deps.get("SETUPTOOLS_USE_DISTUTILS") == "stdlib") is legacy
 
 

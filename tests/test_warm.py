@@ -21,6 +21,7 @@ from image_builder.runtime.session import InstanceLayers
 from image_builder.runtime.warm import LAYERS_AT, WarmPool
 from image_builder.store.store import Store
 from image_builder.tasks import AssertTask
+from tests.support.servers import LOCALHOST_SERVER
 
 PROGRAM = ("/tmp/.ib-test/job.py", b"import sys\nexec(compile(open(sys.argv[1]).read(), sys.argv[1], 'exec'))\n")
 SCRIPT = "/tmp/.ib-test/script.py"
@@ -354,19 +355,7 @@ def test_offline_an_address_nobody_answers_times_out_as_with_a_network(pool):
 def test_localhost_resolves_in_a_job(pool):
     """A job's root is made from the layers, not from its zygote's root (which its init gave Docker's
     /etc/hosts): it gets one too, or a server on `localhost` fails with a name-resolution error."""
-    code, out, _ = job(pool, """
-import http.server, threading, urllib.request
-class Quiet(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200)
-        self.end_headers()
-    def log_message(self, *args):
-        pass
-server = http.server.HTTPServer(("localhost", 0), Quiet)
-threading.Thread(target=server.serve_forever, daemon=True).start()
-print(urllib.request.urlopen("http://localhost:%d/" % server.server_address[1]).status)
-print(open("/etc/hosts").read().split()[:2])
-""")
+    code, out, _ = job(pool, LOCALHOST_SERVER + 'print(open("/etc/hosts").read().split()[:2])\n')
     assert (code, out) == (0, "200\n['127.0.0.1', 'localhost']\n"), out
 
 

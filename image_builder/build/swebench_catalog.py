@@ -683,8 +683,8 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
                 if cutoff:  # pip 26 takes it; the builder's cut-off index serves older pips (cutoff_index.py)
                     deps_env["PIP_UPLOADED_PRIOR_TO"] = cutoff
                 if spec.old_pip_options or _no_pep660(pyproject) or legacy:
-                    if legacy:
-                        deps_env["PIP_FOR_INSTALL"] = PIP_FOR_LEGACY_DEVELOP
+                    if legacy:  # and no config settings, which would force pip 25.0.1's isolated build too
+                        deps_env |= {"PIP_FOR_INSTALL": PIP_FOR_LEGACY_DEVELOP, "LEGACY_DEVELOP": "1"}
                     elif _pip_at_least(pip, PIP_WITHOUT_OLD_OPTIONS):
                         deps_env["PIP_FOR_INSTALL"] = PIP_FOR_OLD_OPTIONS
                     if spec.version < (3, 12) and not conda:

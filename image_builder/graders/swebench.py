@@ -342,8 +342,11 @@ _REINSTALL = r"""reinstall() {{
   exec 7<&"${{CHECK[0]}}" 8>&"${{CHECK[1]}}"
   printf '%s\n' "$NONCE" >&8
   read -r -t 600 ready <&7
-  PIP_CONFIG_SETTINGS=editable_mode=compat PIP_NO_CACHE_DIR=1 PIP_NO_INPUT=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    PIP_FIND_LINKS={wheels} PYTHONDONTWRITEBYTECODE=1 {offline}sh -c {command} </dev/null 3>&- 7<&- 8>&-
+  # (a subshell: the tests after it see none of these; no config settings where the environment installs with
+  # `setup.py develop`, LEGACY_DEVELOP: they would force pip's isolated build)
+  ( [ -n "${{LEGACY_DEVELOP:-}}" ] || export PIP_CONFIG_SETTINGS=editable_mode=compat
+    PIP_NO_CACHE_DIR=1 PIP_NO_INPUT=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_FIND_LINKS={wheels} PYTHONDONTWRITEBYTECODE=1 {offline}sh -c {command} </dev/null 3>&- 7<&- 8>&- )
   note reinstall "$?"
   (printf '%s\n' "$NONCE" >&8) 2>/dev/null  # a subshell: a stopped check's pipe would end the script
   while read -r -t 600 line <&7; do

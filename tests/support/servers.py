@@ -6,6 +6,7 @@
   server will not produce on demand (503 storms, 429 with Retry-After, bodies
   cut off mid-layer, corrupted bytes, redirects to another host). It also
   serves plain files, for rootfs-tarball bases.
+- LOCALHOST_SERVER: a script that serves and fetches on `localhost` in a sandbox.
 """
 
 from __future__ import annotations
@@ -32,6 +33,22 @@ from image_builder.devtools.localregistry import CertPair
 FORWARDED_REQUEST_HEADERS = ("Authorization", "Range", "Accept")
 FORWARDED_RESPONSE_HEADERS = ("Content-Type", "Content-Length", "Content-Range", "Docker-Content-Digest",
                               "WWW-Authenticate", "Accept-Ranges", "Retry-After")
+
+
+# A server on `localhost` and a client of it, as test suites start them (sphinx's intersphinx tests, Django's live
+# servers), run inside a sandbox: prints 200 where the name resolves (runtime/native/init.c default_hosts).
+LOCALHOST_SERVER = """
+import http.server, threading, urllib.request
+class Quiet(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+server = http.server.HTTPServer(("localhost", 0), Quiet)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+print(urllib.request.urlopen("http://localhost:%d/" % server.server_address[1]).status)
+"""
 
 
 class _Server(ThreadingHTTPServer):
