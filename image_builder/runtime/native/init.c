@@ -393,12 +393,6 @@ static void scratch_sizes(const struct spec *s, int64_t memory_mb, char out[3][6
     }
 }
 
-/* As pid 1 of a new pid namespace: build the run's root and move into it; finish_root()
-   then ends as root of a nested user namespace that owns nothing: the run can mount,
-   unmount or remount nothing (the layers, /proc masks and tmpfs sizes stay put), and real
-   root (kernel backend) keeps no capability on the host. Sets descriptors of the run's
-   cgroup (the host's /sys is gone afterwards) and of the three tmpfs (opened as mounted: a
-   bind over /tmp must not be what finish_root resizes). */
 /* Docker writes each container an /etc/hosts and apptainer binds the host's: tests that serve on
    "localhost" need the name (sphinx's intersphinx tests, Django's live servers; without it they fail
    with a name-resolution error, which reads as a run that needed the network). A root whose image has
@@ -422,6 +416,12 @@ static void default_hosts(void) {
         close(dir);
 }
 
+/* As pid 1 of a new pid namespace: build the run's root and move into it; finish_root()
+   then ends as root of a nested user namespace that owns nothing: the run can mount,
+   unmount or remount nothing (the layers, /proc masks and tmpfs sizes stay put), and real
+   root (kernel backend) keeps no capability on the host. Sets descriptors of the run's
+   cgroup (the host's /sys is gone afterwards) and of the three tmpfs (opened as mounted: a
+   bind over /tmp must not be what finish_root resizes). */
 static int enter_root(const struct spec *s, int *cgroup, int scratch_fd[3]) {
     char sizes[3][64], opts[3 * PATH_MAX], path[PATH_MAX], upper[PATH_MAX], work[PATH_MAX];
     struct stat st;
