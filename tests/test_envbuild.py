@@ -502,6 +502,39 @@ stat -c '%u:%g' /usr/local/share/ib-fonts /usr/share/ib-chown > /etc/owners
 """
 
 
+def _seccomp_verdict(program: bytes, arch: int, nr: int) -> int:
+    """What a classic-BPF seccomp program returns for a system call (the three kinds of instruction
+    fake_chown_filter writes: load a word of seccomp_data, jump if equal, return)."""
+    import struct
+    insns = [struct.unpack("=HBBI", program[i:i + 8]) for i in range(0, len(program), 8)]
+    data, acc, pc = {0: nr, 4: arch}, 0, 0
+    while True:
+        code, jt, jf, k = insns[pc]
+        if code == 0x20:
+            acc, pc = data[k], pc + 1
+        elif code == 0x15:
+            pc += 1 + (jt if acc == k else jf)
+        else:
+            assert code == 0x06, code
+            return k
+
+
+@pytest.mark.parametrize("machine, arch, faked, kept", [
+    ("x86_64", 0xC000003E, (92, 93, 94, 260), (0, 2, 59, 90, 91, 105, 257)),  # chown..fchownat; read, open, execve...
+    ("x86_64", 0x40000003, (16, 95, 182, 198, 207, 212, 298), (3, 5, 11, 15, 94)),  # i386's: chmod and fchmod kept
+    ("aarch64", 0xC00000B7, (54, 55), (52, 53, 56, 63, 221)),  # fchmod, fchmodat, openat, read, execve kept
+])
+def test_the_build_filter_fakes_ownership_changes_and_nothing_else(machine, arch, faked, kept):
+    """Every chown of the architecture answers 0 and does nothing (SECCOMP_RET_ERRNO with errno 0); every
+    other call, and every call of an architecture the filter does not know, goes through."""
+    from image_builder.build.enter import fake_chown_filter
+    program = fake_chown_filter(machine)
+    assert all(_seccomp_verdict(program, arch, nr) == 0x00050000 for nr in faked)
+    assert all(_seccomp_verdict(program, arch, nr) == 0x7FFF0000 for nr in kept)
+    assert all(_seccomp_verdict(program, 0x1234, nr) == 0x7FFF0000 for nr in faked)
+    assert fake_chown_filter("sparc64") == b""
+
+
 @pytest.mark.parametrize("user", ["root", "rootless"])
 def test_a_package_that_hands_files_to_a_system_group_installs(user, public_dir, debian_base, public_ca, registries):
     """A user namespace maps one id: a chown to any other (dpkg's maintainer scripts: fontconfig-config's
