@@ -56,6 +56,9 @@ CA_IN_SANDBOX = "/tmp/.image-builder/ca.pem"
 APT_CONF_IN_SANDBOX = "/tmp/.image-builder/apt.conf"
 # Passed through from the host so builds work behind a proxy.
 PROXY_VARS = ("http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "ftp_proxy")
+# The host's name files a build sees over the tree's, so pip and git resolve as on the host and
+# `localhost` resolves where the tree has no /etc/hosts, as apptainer binds them.
+HOST_NAME_FILES = ("resolv.conf", "hosts")
 CA_VARS = ("SSL_CERT_FILE", "PIP_CERT", "REQUESTS_CA_BUNDLE", "GIT_SSL_CAINFO", "CURL_CA_BUNDLE",
            "NODE_EXTRA_CA_CERTS")
 HOST_CA_CANDIDATES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt",
@@ -285,7 +288,7 @@ def _namespace_command(spec: SandboxSpec, argv: list[str], staging: Path) -> lis
               'target tmp dir',
               f'{mount} -t tmpfs -o nosuid,nodev,mode=1777 tmpfs "$R/tmp"',
               'mkdir "$R/tmp/.image-builder" && cp -a "$S/files/." "$R/tmp/.image-builder/"']
-    for name in ("resolv.conf", "hosts"):  # the host's names (`localhost` too), as apptainer binds them
+    for name in HOST_NAME_FILES:
         if spec.host_network_files and Path(f"/etc/{name}").exists():
             lines.append(f'if target etc/{name} file; then {mount} --bind /etc/{name} "$R/etc/{name}" && '
                          f'{mount} -o remount,bind,ro "$R/etc/{name}"; fi')
@@ -327,7 +330,7 @@ def _proot_command(spec: SandboxSpec, argv: list[str], tmp: Path) -> list[str]:
         raise SandboxError("the proot backend needs proot on PATH; install it, or use --backend userns")
     cmd = [proot, "-0", "-r", str(spec.root), "-b", "/dev", "-b", "/proc", "-b", "/sys",
            "-b", f"{tmp}:/tmp", "-w", spec.workdir]
-    for name in ("resolv.conf", "hosts"):
+    for name in HOST_NAME_FILES:
         if spec.host_network_files and Path(f"/etc/{name}").exists():
             cmd += ["-b", f"/etc/{name}"]
     for b in spec.binds:

@@ -668,7 +668,8 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
                 cutoff = cutoffs.of(repo, version, spec, [r for _, r in members])
                 packages, moved = cutoffs.with_wheels(spec, cutoff) if not conda else (spec.packages, [])
                 setup_commit = _setup_commit(members)
-                helpers = [dist for script, dist in BOOTSTRAPPERS.items() if mirror.show(setup_commit, script) is not None]
+                helpers = [dist for script, dist in BOOTSTRAPPERS.items()
+                           if mirror.show(setup_commit, script) is not None]
                 packages = [*packages, *(dist for dist in helpers if dist not in packages)]
                 pyproject = mirror.show(setup_commit, "pyproject.toml")
                 legacy = bool(helpers) and pyproject is None and _pip_at_least(pip, PIP_WITHOUT_LEGACY_DEVELOP)
