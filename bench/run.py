@@ -10,6 +10,7 @@ import time
 import traceback
 
 from bench.common import ROOT
+from image_builder.devtools.hpcfuse import open_fuse_to_users, restore_fuse
 
 AREAS = ["pull", "build", "store", "imports", "runtime", "sandbox", "graders", "rewards", "slurm", "serve"]
 
@@ -30,7 +31,15 @@ def kept_sections(measured: set[str]) -> dict[str, list[str]]:
 
 
 def main() -> int:
-    wanted = sys.argv[1:] or AREAS
+    # The rootless rows run as uid 65534 over squashfuse: /dev/fuse as HPC hosts have it, put back after.
+    fuse = open_fuse_to_users()
+    try:
+        return run(sys.argv[1:] or AREAS)
+    finally:
+        restore_fuse(fuse)
+
+
+def run(wanted: list[str]) -> int:
     sections, failed = [], []
     for area in wanted:
         try:

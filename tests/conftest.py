@@ -5,7 +5,6 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
-import stat
 import subprocess
 import tempfile
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 import bcrypt
 import pytest
 
+from image_builder.devtools.hpcfuse import open_fuse_to_users, restore_fuse
 from image_builder.devtools.localregistry import (CertPair, LocalRegistry, push_image,
                                                   self_signed_cert as self_signed, start_registry)
 from image_builder.oci.cache import BlobCache
@@ -40,33 +40,14 @@ def pytest_sessionstart(session):
         raise pytest.UsageError("run the tests as root (`make test`): they drop to an unprivileged user themselves")
 
 
-# HPC hosts leave /dev/fuse mode 666 so users can mount squashfuse; the rootless tests need
-# the same. A fresh Debian host has 600, and the next run on this machine (`make demo`, CI)
-# must meet that again: the mode found first is kept in FUSE_MODE_FILE and put back by the
-# last session to end. Several sessions may run at once: each holds SESSIONS_LOCK shared
-# while it runs; the one that can take it exclusively at its end is the last. Once in the
-# controller, before xdist's workers start and after they end.
-FUSE = "/dev/fuse"
-SESSIONS_LOCK = "/run/image-builder-tests.lock"
-FUSE_MODE_FILE = "/run/image-builder-tests.fuse-mode"  # outlives a killed session: the next one restores
+# /dev/fuse mode 666 for the rootless tests, as on HPC hosts, and the mode found put back by the last
+# session to end (devtools/hpcfuse.py). Once in the controller, before xdist's workers start and after they end.
 _SESSION_LOCK = pytest.StashKey()
 
 
 def pytest_configure(config):
-    if hasattr(config, "workerinput") or os.geteuid() != 0 or not os.path.exists(FUSE):
-        return
-    lock = open(SESSIONS_LOCK, "a")
-    fcntl.flock(lock, fcntl.LOCK_SH)  # waits only while an ending session puts the mode back
-    config.stash[_SESSION_LOCK] = lock
-    mode = oct(stat.S_IMODE(os.stat(FUSE).st_mode)).encode()
-    try:  # the first session to start keeps the mode; O_EXCL: one of two starting at once
-        fd = os.open(FUSE_MODE_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        pass
-    else:
-        os.write(fd, mode)
-        os.close(fd)
-    os.chmod(FUSE, 0o666)
+    if not hasattr(config, "workerinput"):
+        config.stash[_SESSION_LOCK] = open_fuse_to_users()
 
 
 def pytest_unconfigure(config):
@@ -74,17 +55,7 @@ def pytest_unconfigure(config):
         for path in Path("/var/tmp").glob("ib-tests-run-*"):
             if path == _run_dir_path() or not _alive(*path.name.split("-")[3:5]):  # this run's, or a killed run's
                 remove_tree(path)
-    lock = config.stash.get(_SESSION_LOCK, None)
-    if lock is None:
-        return
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return  # another session still runs: the last one out restores
-    with open(FUSE_MODE_FILE) as f:
-        os.chmod(FUSE, int(f.read(), 8))
-    os.unlink(FUSE_MODE_FILE)
-    lock.close()
+    restore_fuse(config.stash.get(_SESSION_LOCK, None))
 
 
 # `make test` runs the tests on two xdist workers (--dist loadgroup), each making the session
