@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from image_builder.build.catalog import load
-from image_builder.build.checkpoints import DEPTH, place
+from image_builder.build.checkpoints import DEPTH, GAP, place
 from image_builder.build.swebench_catalog import REINSTALL_WHEN
 from tests.conftest import run_cli
 from tests.support.simple_index import serve_index
@@ -287,8 +287,8 @@ def test_a_dense_version_puts_its_later_instances_on_checkpoints(tmp_path):
     subprocess.run(["git", "clone", "-q", "--mirror", str(DATA / "repos/marshmallow.bundle"), str(mirror)], check=True)
     row = [json.loads(line) for line in MARSHMALLOW.read_text().splitlines()][1]
     tip = row["base_commit"]
-    first, far, near = (git(mirror, "rev-parse", f"{tip}~{n}").strip() for n in (290, 40, 0))
-    assert int(git(mirror, "rev-list", "--count", f"{first}..{far}")) > 200 >= \
+    first, far, near = (git(mirror, "rev-parse", f"{tip}~{n}").strip() for n in (290, 20, 0))
+    assert int(git(mirror, "rev-list", "--count", f"{first}..{far}")) > GAP >= \
         int(git(mirror, "rev-list", "--count", f"{far}..{near}"))
     dataset = tmp_path / "dense.jsonl"
     dataset.write_text("".join(json.dumps({**row, "instance_id": f"marshmallow-code__marshmallow-{i}",
@@ -319,9 +319,10 @@ def test_a_dense_version_puts_its_later_instances_on_checkpoints(tmp_path):
     assert not (cat.instances["marshmallow-code__marshmallow-2"].context / "commits.bundle").exists()
 
 
-def test_checkpoints_follow_the_line_of_history_and_stop_at_its_depth():
-    """Commits as numbers on one line (c is an ancestor of d when c <= d), but for a branch b1, b2 off 250."""
-    branch = {"b1": (250, 1), "b2": (250, 2)}
+def test_checkpoints_follow_the_line_of_history_and_stack_no_deeper_than_depth():
+    """Commits as numbers on one line (c is an ancestor of d when c <= d), but for a branch b1, b2 off 100.
+    Checkpoints sit on each other as a Fenwick tree's nodes do: the k-th on the (k & (k-1))-th."""
+    branch = {"b1": (100, 30), "b2": (100, 70)}
 
     def at(c: str) -> tuple[int, int]:  # (position on the line, how far along the branch)
         return branch[c] if c in branch else (int(c), 0)
@@ -334,17 +335,29 @@ def test_checkpoints_follow_the_line_of_history_and_stop_at_its_depth():
         (pa, ba), (pb, bb) = at(a), at(b)
         return pb - pa + bb - ba
 
-    order = ["0", "100", "250", "300", "b1", "b2", "500", "750", "1000", "1250", "1500", "1750", "2000"]
+    assert GAP == 50 and DEPTH == 6
+    line = [str(60 * i) for i in range(4, 81)]  # 240, 300, ...: each past GAP from the one before
+    order = ["0", "40", "100", "130", "b1", "b2", "160", *line]
     placed = dict(zip(order, place(order, "0", is_ancestor, count)))
     where = {c: p.commit if p else None for c, p in placed.items()}
-    assert where["0"] is None and where["100"] is None, "within GAP of the version's checkout"
-    assert where["250"] == "250" and where["300"] == "250", "a new checkpoint, and one sitting on it"
-    assert where["b1"] == "250" and where["b2"] == "250", "a branch off the checkpoint sits on it"
-    assert where["500"] == "500" and placed["500"].parent.commit == "250", "the line goes on past the branch"
+    assert where["0"] is None and where["40"] is None, "within GAP of the version's checkout"
+    assert where["100"] == "100" and where["130"] == "100", "a new checkpoint, and one sitting on it"
+    assert where["b1"] == "100" and where["b2"] == "b2", "a branch off the checkpoint sits on it, then has its own"
+    assert placed["b2"].parent is None, "the 2nd of a line sits on the version's environment"
+    assert where["160"] == "160" and placed["160"].parent is None, \
+        "the line goes on past the branch, whose checkpoint is dropped from it: 160 is the 2nd again"
+    assert placed["240"].parent.commit == "160" and placed["300"].parent is None, "the 3rd on the 2nd, the 4th on none"
     depth = lambda p: 1 + depth(p.parent) if p else 0  # noqa: E731
-    assert max(depth(p) for p in placed.values()) == DEPTH
-    assert DEPTH == 6 and where["1500"] == "1500" and where["1750"] == where["2000"] == "1500", \
-        "no checkpoint past DEPTH: the last one carries the rest"
+    checkpoints = {p for p in placed.values() if p}
+    on_line = [p for p in checkpoints if p.commit not in ("b2",)]
+    assert len(on_line) == 2 ** DEPTH - 1 and max(depth(p) for p in checkpoints) == DEPTH, \
+        "63 checkpoints on one line, none stacked more than DEPTH deep"
+    last = max(on_line, key=lambda p: int(p.commit))
+    assert [where[c] for c in line[-5:]] == [last.commit] * 5, "past the 63rd, the last one carries the rest"
+    for c, p in placed.items():  # only ancestors below: no instance reads a later commit through a checkpoint
+        while p:
+            assert is_ancestor(p.commit, c), (c, p.commit)
+            p = p.parent
 
 
 def test_specs_that_cannot_be_honoured_are_reported_per_instance(tmp_path):
