@@ -247,6 +247,7 @@ def main() -> Report:
             preds = [Prediction(t.task_id, solutions[t.original_id]) for t in task_set]
             n_cases = sum(len(t.cases) for t in task_set)
             (work / "bare").mkdir(exist_ok=True)
+            scripts = [(solutions[t.original_id], c) for t in task_set for c in t.cases]
             ours, limit = [], []
             with StoreExecutors(store) as executors:
                 grade_predictions(task_set[:2], preds[:2], executors, GradeOptions(), workers=WORKERS)  # warm mounts
@@ -257,14 +258,14 @@ def main() -> Report:
                     results = grade_predictions(task_set, preds, executors, GradeOptions(), workers=WORKERS)
                     ours.append(time.perf_counter() - t0)
                     assert all(r.passed for r in results), [r.reason for r in results if not r.passed][:3]
-                    limit.append(bare([(solutions[t.original_id], c) for t in task_set for c in t.cases],
-                                      work / "bare"))
+                    limit.append(bare(scripts, work / "bare"))
             # A throughput ratio: cases/s ours over cases/s bare (goal >= 2.5), i.e. bare time / our time.
             report.rows.append(Row(f"{name}: cases per second, {WORKERS} workers", n_cases / statistics.median(ours),
                                    "bare python3 on the host", n_cases / statistics.median(limit), ">= 2.5x",
                                    "cases/s"))
-            report.notes.append(f"{name}, the {ROUNDS} rounds: ours {n_cases / max(ours):.0f}-{n_cases / min(ours):.0f} "
-                                f"cases/s, bare python {n_cases / max(limit):.0f}-{n_cases / min(limit):.0f}")
+            report.notes.append(f"{name}, the {ROUNDS} rounds: ours {n_cases / max(ours):.0f}-"
+                                f"{n_cases / min(ours):.0f} cases/s, bare python {n_cases / max(limit):.0f}-"
+                                f"{n_cases / min(limit):.0f}")
         report.rows.append(latency_row(store, tasks, solutions, work))
         report.rows.extend(stdio_rows(store, work))
         row, note = scale_row(store, work)

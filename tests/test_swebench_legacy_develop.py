@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -73,7 +72,8 @@ def test_a_bootstrapping_checkout_installs_and_reinstalls_in_its_environment(tmp
     dataset.write_text(json.dumps(row) + "\n")
     (tmp_path / "specs.yaml").write_text(SPECS)
     r = run_cli("swebench", "catalog", str(dataset), "--repos", str(tmp_path / "repos"), "-o",
-                str(tmp_path / "swe.yaml"), "--specs", str(tmp_path / "specs.yaml"), "--python", f"3.9={debian_bullseye_base}")
+                str(tmp_path / "swe.yaml"), "--specs", str(tmp_path / "specs.yaml"),
+                "--python", f"3.9={debian_bullseye_base}")
     assert r.returncode == 0, r.stderr
     catalog = load(tmp_path / "swe.yaml")
     assert catalog.environments["acme__helped-1.0-deps"].env.get("LEGACY_DEVELOP") == "1"
