@@ -49,7 +49,8 @@ set +f
 # where it changes them, check out clean and run PRE_INSTALL again, as SWE-bench runs it after its checkout.
 if ! git -c advice.detachedHead=false checkout -q --detach "$BASE_COMMIT" 2>/dev/null; then
     git -c advice.detachedHead=false checkout -q -f --detach "$BASE_COMMIT"
-    if [ -n "${PRE_INSTALL:-}" ]; then sh -ec "$PRE_INSTALL"; fi
+    # pre_install's wget finds the files the environment carries (swebench-repo.sh)
+    if [ -n "${PRE_INSTALL:-}" ]; then PATH="/opt/image-builder/bin:$PATH" sh -ec "$PRE_INSTALL"; fi
     stale=1
 fi
 git update-ref -d refs/heads/image-builder 2>/dev/null || true

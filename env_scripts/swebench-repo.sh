@@ -21,6 +21,9 @@
 #   INSTALL_AS_INSTANCES  1: every instance on this layer has this commit's install files, so an install that
 #                 changes the environment's packages is done here rather than left to each instance
 #                 (optional; a version's, or an install layer's: swebench_catalog._install_layers)
+# /build/downloads (optional): files the build would download from hosts a cluster does not reach, and their
+# UNPACK list (build/downloads.py): kept in /opt/image-builder/downloads, where pre_install's wget finds them,
+# and unpacked in the checkout where the build looks first.
 set -eu
 # Editable installs put the checkout on sys.path (a .pth path entry), as the older setuptools of SWE-bench's
 # conda environments do: pylint's tests find its modules by path, and an editable finder hook broke 8 of
@@ -115,15 +118,71 @@ except ImportError:
     except ImportError:
         tomllib = None
 requires = ["setuptools>=40.8.0", "wheel"]  # pip's for a project without [build-system]
+system = {}
 if os.path.exists("pyproject.toml") and tomllib is not None:
     with open("pyproject.toml", "rb") as f:
-        requires = tomllib.load(f).get("build-system", {}).get("requires", requires)
+        system = tomllib.load(f).get("build-system", {})
+        requires = system.get("requires", requires)
+if system.get("build-backend", "setuptools.build_meta:__legacy__").startswith("setuptools.build_meta"):
+    # What setup.py asks of the backend beyond that, as pip's isolated build asks it (its setup_requires:
+    # matplotlib's certifi, numpy and setuptools_scm). Its prints go to stderr, not into the list.
+    import contextlib, sys
+    try:
+        from setuptools import build_meta
+        with contextlib.redirect_stdout(sys.stderr):
+            requires = requires + [r for r in build_meta.get_requires_for_build_wheel() if r not in requires]
+    except BaseException as e:
+        print("image-builder: setup.py's own build requirements unknown (%s)" % e, file=sys.stderr)
 print("\n".join(requires))
 PY
     python -m pip download --quiet --dest "$BUILD_WHEELS" --only-binary=:all: -r /tmp/build-requires.txt >&2 \
         || python -m pip download --quiet --dest "$BUILD_WHEELS" -r /tmp/build-requires.txt >&2 \
         || echo "image-builder: the build requirements could not be kept as wheels: an offline grade cannot install again" >&2
     rm -f /tmp/build-requires.txt
+}
+DOWNLOADS=/opt/image-builder/downloads
+carry_downloads() {
+    [ -d /build/downloads ] || return 0
+    mkdir -p "$DOWNLOADS" /opt/image-builder/bin
+    cp /build/downloads/* "$DOWNLOADS/"
+    # SWE-bench's base image has wget, and pre_install fetches with it: here it copies a file carried, and
+    # anything else goes to a wget the image may have.
+    cat > /opt/image-builder/bin/wget <<'SH'
+#!/bin/sh
+out= url= prev=
+for a in "$@"; do
+    case "$prev" in -O|--output-document) out="$a"; prev=; continue ;; esac
+    case "$a" in
+        -O|--output-document) prev="$a" ;;
+        -O?*) out="${a#-O}" ;;
+        --output-document=*) out="${a#*=}" ;;
+        -*) ;;
+        *) url="$a" ;;
+    esac
+done
+file="/opt/image-builder/downloads/${url##*/}"
+if [ -n "$url" ] && [ -f "$file" ]; then
+    if [ "$out" = - ]; then exec cat "$file"; fi
+    exec cp "$file" "${out:-${url##*/}}"
+fi
+PATH=$(printf %s "$PATH" | sed 's#/opt/image-builder/bin:##g')
+if command -v wget >/dev/null 2>&1; then exec wget "$@"; fi
+echo "image-builder: wget $url: not a file this environment carries ($(dirname "$file")), and the image has no wget" >&2
+exit 1
+SH
+    chmod 755 /opt/image-builder/bin/wget
+}
+unpack_downloads() {
+    [ -f "$DOWNLOADS/UNPACK" ] || return 0
+    while read -r file into tree; do
+        [ -e "$into/$tree" ] && continue
+        mkdir -p "$into"
+        # Python's tarfile, not tar: minbase images have no bzip2 for tar to call. Verified files (sha256).
+        python -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' "$DOWNLOADS/$file" "$into"
+    done < "$DOWNLOADS/UNPACK"
+}
+pre_install() {
+    PATH="/opt/image-builder/bin:$PATH" sh -ec "$PRE_INSTALL"
 }
 if [ -n "${BASE_COMMIT:-}" ] && git rev-parse -q --verify HEAD >/dev/null; then
     # A checkpoint, over a checkout: PRE_INSTALL's edits carry over where this commit leaves their files as
@@ -136,11 +195,12 @@ if [ -n "${BASE_COMMIT:-}" ] && git rev-parse -q --verify HEAD >/dev/null; then
     [ -f .git/image-builder-installed ] || stale=1
     if ! git -c advice.detachedHead=false checkout -q --detach "$BASE_COMMIT" 2>/dev/null; then
         git -c advice.detachedHead=false checkout -q -f --detach "$BASE_COMMIT"
-        if [ -n "${PRE_INSTALL:-}" ]; then sh -ec "$PRE_INSTALL"; fi
+        if [ -n "${PRE_INSTALL:-}" ]; then pre_install; fi
         stale=1
     fi
     if [ "$stale" = 1 ] && [ -n "${INSTALL:-}" ]; then
         rm -f .git/image-builder-installed
+        unpack_downloads
         install_held
     fi
     exit 0
@@ -148,6 +208,8 @@ fi
 if [ -n "${BASE_COMMIT:-}" ]; then
     git -c advice.detachedHead=false checkout -q --detach "$BASE_COMMIT"
 fi
-if [ -n "${PRE_INSTALL:-}" ]; then sh -ec "$PRE_INSTALL"; fi
+carry_downloads
+unpack_downloads
+if [ -n "${PRE_INSTALL:-}" ]; then pre_install; fi
 if [ -n "${EVAL_SETUP:-}" ]; then sh -ec "$EVAL_SETUP"; fi
 if [ -n "${INSTALL:-}" ]; then install_held; fi

@@ -75,6 +75,7 @@ from typing import Any
 
 import yaml
 
+from image_builder.build import downloads
 from image_builder.build.catalog import ENV_NAME
 from image_builder.build.checkpoints import Checkpoint, place
 from image_builder.build.environment_yml import EnvironmentYml, EnvironmentYmlError, pip_requirements, \
@@ -326,10 +327,12 @@ REPO_KEYS = {"requirements_paths": "MAP_REPO_TO_REQS_PATHS", "environment_yml_pa
 PARSER_NAME = re.compile(r"^parse_log_[a-z0-9_]+$")
 
 
-def read_specs(path: Path, constants: types.ModuleType) -> tuple[types.SimpleNamespace, dict[str, str]]:
-    """swebench's tables with a specs file's laid over them, and the file's log parsers by repository. The
-    file (YAML or JSON) maps OWNER/NAME to its versions' specs, in swebench's own keys, beside optional
-    `requirements_paths`, `environment_yml_paths` and `log_parser`:
+def read_specs(path: Path, constants: types.ModuleType) -> tuple[types.SimpleNamespace, dict[str, str],
+                                                                 dict[str, tuple[downloads.Download, ...]]]:
+    """swebench's tables with a specs file's laid over them, the file's log parsers by repository, and the
+    files its builds download (downloads.from_specs) by repository. The file (YAML or JSON) maps OWNER/NAME
+    to its versions' specs, in swebench's own keys, beside optional `requirements_paths`,
+    `environment_yml_paths`, `log_parser` and `downloads`:
 
         getmoto/moto:
           log_parser: parse_log_pytest
@@ -345,15 +348,23 @@ def read_specs(path: Path, constants: types.ModuleType) -> tuple[types.SimpleNam
     tables = {name: dict(getattr(constants, name, {}) or {}) for name in ("MAP_REPO_VERSION_TO_SPECS",
                                                                          *REPO_KEYS.values())}
     parsers: dict[str, str] = {}
+    carried: dict[str, tuple[downloads.Download, ...]] = {}
     for repo, entry in doc.items():
         where = f"{path}: {repo!r}"
         if not isinstance(repo, str) or not REPO.match(repo) or any(p in (".", "..") for p in repo.split("/")):
             raise SpecError(f"{where}: not a repository (OWNER/NAME)")
         if not isinstance(entry, dict) or not isinstance(entry.get("versions"), dict) or not entry["versions"]:
             raise SpecError(f"{where}: give `versions`, a mapping of version to spec")
-        unknown = sorted(set(entry) - {"versions", "log_parser", *REPO_KEYS})
+        unknown = sorted(set(entry) - {"versions", "log_parser", "downloads", *REPO_KEYS})
         if unknown:
-            raise SpecError(f"{where}: unknown key {unknown[0]!r} (versions, log_parser, {', '.join(REPO_KEYS)})")
+            raise SpecError(f"{where}: unknown key {unknown[0]!r} (versions, log_parser, downloads, "
+                            f"{', '.join(REPO_KEYS)})")
+        if not isinstance(entry.get("downloads", []), list):
+            raise SpecError(f"{where}: downloads must be a list of {{name, sha256, urls}}")
+        try:
+            carried[repo] = tuple(downloads.from_specs(d) for d in entry.get("downloads", []))
+        except ValueError as e:
+            raise SpecError(f"{where}: downloads: {e}") from None
         for key, table in REPO_KEYS.items():
             if key in entry:
                 paths = entry[key]
@@ -381,7 +392,7 @@ def read_specs(path: Path, constants: types.ModuleType) -> tuple[types.SimpleNam
                                     f"{'a list of strings' if SPEC_KEYS[key] is list else 'a string'})")
             versions[version] = spec
         tables["MAP_REPO_VERSION_TO_SPECS"][repo] = versions
-    return types.SimpleNamespace(**tables), parsers
+    return types.SimpleNamespace(**tables), parsers, carried
 
 
 def _pip_at_least(pip: str, version: tuple[int, int]) -> bool:
@@ -557,8 +568,9 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
     named = f"{opts.prefix}-" if opts.prefix else ""
     constants = load_swebench()
     parsers, yanked = log_parsers(), replaced_packages(constants)
+    carried: dict[str, tuple[downloads.Download, ...]] = {}  # a specs file's downloads by repository
     if opts.specs:
-        constants, named_parsers = read_specs(opts.specs, constants)
+        constants, named_parsers, carried = read_specs(opts.specs, constants)
         parsers |= named_parsers
     rows = {rid: record for rid, record in read_records(opts.dataset)}
     result = Generated(opts.out)
@@ -701,6 +713,10 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
                                         mirror, merge_base, histories[repo, spec.python],
                                         {"BASE_COMMIT": merge_base, "PRE_INSTALL": "\n".join(spec.pre_install),
                                          "INSTALL": spec.install})
+                # Files the build downloads from hosts a cluster does not reach (downloads.py), carried in.
+                wanted = downloads.asked(spec.pre_install, lambda path: mirror.show(setup_commit, path))
+                downloads.carry([*wanted, *(d for d in carried.get(repo, ()) if d not in wanted)],
+                                context / "downloads", context / "envs" / env_name / "downloads")
                 when = stale_when(spec.install)
                 if all(mirror.same_files(merge_base, t.base_commit, when.split()) for t, _ in members):
                     # Each instance would install from these same files over the same environment: where the
@@ -736,7 +752,7 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
                 sits = {t.base_commit: layers[below[t.base_commit]] for t, _ in members}
                 if "INSTALL_AS_INSTANCES" not in version_env["env"]:
                     added += _install_layers(env_name, sits, mirror, context, opts.out, when)
-            except SpecError as e:
+            except (SpecError, downloads.DownloadError) as e:
                 result.skipped.extend(f"{t.original_id}: {e}" for t, _ in members)
                 continue
             environments += added
