@@ -162,3 +162,21 @@ def test_an_isolated_build_installs_again_offline_from_the_kept_wheels(tmp_path,
     assert fixed.passed and fixed.repo.reinstall_exit_code == 0, (fixed.reason, fixed.repo.apply_log[-2000:])
     assert fixed.repo.runner_changes == [], fixed.repo.runner_changes
     assert kept == ["lib-1.0-py3-none-any.whl"], kept
+
+
+def test_a_pth_import_line_that_moves_to_a_new_file_is_not_new(tmp_path, monkeypatch):
+    """setuptools names a namespace package's -nspkg.pth by the version, which a reinstall changes: the same
+    import line in a file of a new name is the code that ran before (matplotlib's mpl_toolkits: every
+    reinstall failed as 'the install added to ...-nspkg.pth'); a line no .pth had is still new."""
+    from image_builder.graders import install_check
+    site_dir = tmp_path / "site-packages"
+    site_dir.mkdir()
+    line = "import sys, types, os;p = os.path.join('/testbed/lib', *('mpl_toolkits',))"
+    (site_dir / "matplotlib-3.6.2-nspkg.pth").write_text(line + "\n")
+    monkeypatch.setattr(install_check, "site_dirs", lambda: [str(site_dir)])
+    stock = install_check.Stock(str(tmp_path / "testbed"))
+    (site_dir / "matplotlib-3.6.2-nspkg.pth").unlink()
+    (site_dir / "matplotlib-3.7.0.dev0+g0cbcf81-nspkg.pth").write_text(line + "\n")
+    assert stock.changes() == []
+    (site_dir / "aa.pth").write_text("import zz_forge\n")
+    assert stock.changes() == [f"the install added to {site_dir / 'aa.pth'}: import zz_forge"]

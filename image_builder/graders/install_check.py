@@ -299,9 +299,15 @@ class Stock:
             if self.files.get(path) != now.get(path):
                 what = "added" if path not in self.files else "removed" if path not in now else "changed"
                 out.append("the install " + what + " " + path)
+        # An import line some .pth had before is not new code wherever it moves: setuptools names a
+        # namespace package's -nspkg.pth by the version, which a reinstall changes (matplotlib's mpl_toolkits:
+        # `matplotlib-3.6.2-nspkg.pth` became `matplotlib-3.7.0.dev0+g0cbcf81-nspkg.pth`, the same line).
+        had = set()
+        for old_imports, _ in self.pth.values():
+            had |= old_imports
         for path, (imports, paths) in sorted(pth_lines(self.sites).items()):
-            old_imports, old_paths = self.pth.get(path, (set(), set()))
-            added = sorted(imports - old_imports)
+            old_paths = self.pth.get(path, (set(), set()))[1]
+            added = sorted(imports - had)
             if imports:  # old setuptools' easy-install.pth moves its paths to the front of sys.path: only eggs
                 added += sorted(p for p in paths - old_paths if dist_name(os.path.basename(p)) not in self.names)
             out += ["the install added to " + path + ": " + line[:200] for line in added]
