@@ -17,9 +17,10 @@ project's own install may not change:
     .egg or .egg-info whose top-level packages are all in WORKDIR, and later versions of those (the
     name before the first '-'). Which entries are the project's is decided before the install, from
     what the environment's own install left, so a candidate's setup.py cannot claim pytest's;
-  - a .pth file's import lines (run at every interpreter's start; path lines are free: they come after
-    site-packages on sys.path and shadow nothing installed; but in a .pth with import lines, old
-    setuptools' easy-install.pth, whose lines move its paths to the front, only the project's eggs);
+  - a .pth file's import lines no .pth had before (run at every interpreter's start; one that only moved
+    to a file of another name runs what ran before). Path lines are free (they come after site-packages
+    on sys.path and shadow nothing installed), but in a .pth with import lines, old setuptools'
+    easy-install.pth, whose lines move its paths to the front, only the project's eggs;
   - the pytest plugins the distributions declare (entry point group pytest11), WORKDIR's egg-info too.
 A file counts as changed when its ctime or size moved (ctime cannot be set back, unlike mtime). The
 stock is held in this process, started before the install, not re-read from a file the install could
