@@ -787,3 +787,24 @@ def test_a_repository_lacking_an_object_says_which_and_what_to_do(tmp_path):
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
     assert f"acme__widgets-1: {repo}: git bundle failed: unable to read {blob} (an object the repository lacks: " \
            "give a complete clone; `git fsck` lists what is missing)" in r.stderr, r.stderr
+
+
+def test_requirements_includes_are_read_as_swebench_reads_them(tmp_path):
+    """A `-r` line names a file beside the requirements file, or above it (matplotlib 3.1-3.4's
+    requirements/dev/dev-requirements.txt: `-r ../testing/all.txt`; SWE-bench's URL client resolves the `..`,
+    and git's tree paths have none: every include read empty, the environment lacked pytest-xdist and
+    pandas); an include outside the repository is not read."""
+    from image_builder.build.swebench_catalog import Repository, requirements_text
+    from tests.test_checkpoints import GIT, commit
+    repo = tmp_path / "mpl"
+    repo.mkdir()
+    subprocess.run([*GIT, "init", "-q", str(repo)], check=True)
+    for folder in ("dev", "testing"):
+        (repo / "requirements" / folder).mkdir(parents=True)
+    head = commit(repo, {"requirements/dev/dev-requirements.txt": "-r ../testing/all.txt\n-r beside.txt\n"
+                                                                  "-r ../../../etc/passwd\n# dev\nipython\n",
+                         "requirements/dev/beside.txt": "flake8\n",
+                         "requirements/testing/all.txt": "# all\npytest-xdist\npandas\n"}, "base")
+    mirror = Repository(repo, tmp_path)
+    text = requirements_text(mirror, head, ("requirements/dev/dev-requirements.txt", "requirements.txt"))
+    assert text.split() == ["pytest-xdist", "pandas", "flake8", "ipython"]

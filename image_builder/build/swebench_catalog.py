@@ -61,6 +61,7 @@ import fnmatch
 import importlib.machinery
 import importlib.util
 import os
+import posixpath
 import re
 import shlex
 import subprocess
@@ -510,7 +511,10 @@ def requirements_text(repo: Repository, commit: str, paths: tuple[str, ...]) -> 
         lines, included = [], []
         for line in text.splitlines():
             if line.strip().startswith("-r"):
-                extra = repo.show(commit, f"{folder}/{line.strip()[2:].strip()}".lstrip("/"))
+                # `-r ../testing/all.txt` (matplotlib 3.1-3.4's dev-requirements.txt): SWE-bench fetches the
+                # URL, whose client resolves the `..`; git's tree paths have none (every include read empty).
+                include = posixpath.normpath(f"{folder}/{line.strip()[2:].strip()}".lstrip("/"))
+                extra = None if include.startswith("../") else repo.show(commit, include)
                 included += [x for x in (extra or "").splitlines() if keep(x)]
             elif keep(line):
                 lines.append(line)
