@@ -133,7 +133,8 @@ def fetch(download: Download, cache: Path, timeout: float = 60.0) -> Path:
     tried = []
     for source in download.sources:
         try:
-            r = requests.get(source.url, timeout=timeout, stream=True)
+            # A host behind a firewall that drops rather than refuses would hold every catalog run a minute.
+            r = requests.get(source.url, timeout=(10, timeout), stream=True)
             r.raise_for_status()
             data = r.raw.read(MAX_BYTES + 1, decode_content=True)
             if len(data) > MAX_BYTES:
