@@ -26,6 +26,23 @@ def results(path: Path) -> dict[str, dict]:
     return {r["task_id"]: r for r in map(json.loads, path.read_text().splitlines())}
 
 
+def build_and_grade_gold_and_empty(catalog, build, dataset: Path, instance_id: str, fix: str,
+                                   work: Path) -> dict[str, dict]:
+    """Build `catalog` for real (`build`: BuildOptions, its store), then grade `fix` and the empty patch on
+    `instance_id` through the CLI: {"gold": result, "empty": result}."""
+    from image_builder.build.storebuild import StoreBuildOptions, build_store
+    summary = build_store(catalog, StoreBuildOptions(build, jobs=2))
+    assert not summary.failed, [(f.message, f.tail[-5:]) for f in summary.failed]
+    verdicts = {}
+    for name, patch in (("gold", fix), ("empty", "")):
+        predictions = work / f"{name}.jsonl"
+        predictions.write_text(json.dumps({"instance_id": instance_id, "model_patch": patch}) + "\n")
+        out = work / f"{name}-results.jsonl"
+        assert grade(build.store, dataset, predictions, out).returncode == 0
+        verdicts[name] = results(out)[instance_id]
+    return verdicts
+
+
 @pytest.mark.parametrize("mode", [(), ("--strict",)], ids=["default", "strict"])
 def test_mbpp_reference_solutions_pass_in_the_sandbox(mbpp_store, tmp_path, mode):
     out = tmp_path / "ref.jsonl"

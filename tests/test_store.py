@@ -414,3 +414,22 @@ def test_failed_instance_builds_kept_are_the_newest(tmp_path):
     make_room_for_failed(tmp_path, kept=16)
     assert sorted(int(p.name[1:]) for p in tmp_path.iterdir()) == list(range(5, 20)), "15: room for one more"
     make_room_for_failed(tmp_path / "none")  # no directory yet: nothing to do
+
+
+def test_a_tree_another_process_removes_meanwhile_is_removed_without_error(tmp_path, monkeypatch):
+    """A killed build's sandbox may still be removing its staging folder when the next build removes it as
+    dead: a folder gone under rmtree is done, not an error (`build` failed with a traceback on resume)."""
+    import os
+    from image_builder.store.store import remove_tree
+    tree = tmp_path / "staging"
+    (tree / "files/usr/lib").mkdir(parents=True)
+    (tree / "files/usr/lib/x").write_text("x")
+    real_rmdir = os.rmdir
+
+    def raced(path, *args, **kwargs):  # the other process got there first
+        real_rmdir(path, *args, **kwargs)
+        if os.path.basename(path) == "files":
+            raise FileNotFoundError(2, "No such file or directory", path)
+    monkeypatch.setattr(os, "rmdir", raced)
+    remove_tree(tree)
+    assert not tree.exists()

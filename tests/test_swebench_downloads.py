@@ -18,13 +18,12 @@ import pytest
 from image_builder.build import downloads
 from image_builder.build.catalog import load
 from image_builder.build.envbuild import BuildOptions
-from image_builder.build.storebuild import StoreBuildOptions, build_store
 from image_builder.build.swebench_catalog import load_swebench, spec_of
 from image_builder.oci.cache import BlobCache
 from image_builder.oci.registry import RegistryOptions
 from tests.conftest import run_cli
 from tests.test_checkpoints import GIT, commit
-from tests.test_grading import grade, results
+from tests.test_grading import build_and_grade_gold_and_empty
 from tests.test_runner_tee import file_diff
 
 
@@ -180,17 +179,9 @@ def test_a_build_that_downloads_finds_its_files_carried_in(tmp_path, site, regis
     asked = len(site.asked)
     build = BuildOptions(store=tmp_path / "store", cache=BlobCache(tmp_path / "cache"),
                          registry=RegistryOptions(ca_cert=registries.tls.cert))
-    summary = build_store(load(tmp_path / "swe.yaml"), StoreBuildOptions(build, jobs=2))
-    assert not summary.failed, [(f.message, f.tail[-5:]) for f in summary.failed]
+    verdicts = build_and_grade_gold_and_empty(load(tmp_path / "swe.yaml"), build, dataset, row["instance_id"], fix,
+                                              tmp_path)
     assert len(site.asked) == asked  # nothing fetched after the catalog
-
-    verdicts = {}
-    for name, patch in (("gold", fix), ("empty", "")):
-        predictions = tmp_path / f"{name}.jsonl"
-        predictions.write_text(json.dumps({"instance_id": row["instance_id"], "model_patch": patch}) + "\n")
-        out = tmp_path / f"{name}-results.jsonl"
-        assert grade(tmp_path / "store", dataset, predictions, out).returncode == 0
-        verdicts[name] = results(out)[row["instance_id"]]
     gold = verdicts["gold"]["repo"]
     assert gold["resolved"] and gold["reinstall_exit_code"] == 0, verdicts["gold"]
     assert not verdicts["empty"]["repo"]["resolved"]

@@ -18,12 +18,11 @@ import pytest
 
 from image_builder.build.catalog import load
 from image_builder.build.envbuild import BuildOptions
-from image_builder.build.storebuild import StoreBuildOptions, build_store
 from image_builder.oci.cache import BlobCache
 from image_builder.oci.registry import RegistryOptions
 from tests.conftest import run_cli
 from tests.test_checkpoints import GIT, commit
-from tests.test_grading import grade, results
+from tests.test_grading import build_and_grade_gold_and_empty
 from tests.test_runner_tee import file_diff
 
 SETUP = """import astropy_helpers  # the environment's: an isolated build has setuptools alone
@@ -79,16 +78,7 @@ def test_a_bootstrapping_checkout_installs_and_reinstalls_in_its_environment(tmp
     assert catalog.environments["acme__helped-1.0-deps"].env.get("LEGACY_DEVELOP") == "1"
     build = BuildOptions(store=tmp_path / "store", cache=BlobCache(tmp_path / "cache"),
                          registry=RegistryOptions(ca_cert=registries.tls.cert))
-    summary = build_store(catalog, StoreBuildOptions(build, jobs=2))
-    assert not summary.failed, [(f.message, f.tail[-5:]) for f in summary.failed]
-
-    verdicts = {}
-    for name, patch in (("gold", fix), ("empty", "")):
-        predictions = tmp_path / f"{name}.jsonl"
-        predictions.write_text(json.dumps({"instance_id": row["instance_id"], "model_patch": patch}) + "\n")
-        out = tmp_path / f"{name}-results.jsonl"
-        assert grade(tmp_path / "store", dataset, predictions, out).returncode == 0
-        verdicts[name] = results(out)[row["instance_id"]]
+    verdicts = build_and_grade_gold_and_empty(catalog, build, dataset, row["instance_id"], fix, tmp_path)
     gold = verdicts["gold"]["repo"]
     assert gold["resolved"] and gold["reinstall_exit_code"] == 0, verdicts["gold"]
     assert not verdicts["empty"]["repo"]["resolved"]
