@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from image_builder.errors import ImageBuilderError
-from image_builder.store.files import atomic_write
+from image_builder.store.files import atomic_write, write_if_changed
+from image_builder.store.store import remove_tree
 
 MAX_BYTES = 64 << 20  # a source tarball; more is not one of these
 
@@ -158,25 +159,17 @@ def carry(downloads: list[Download], cache: Path, context: Path) -> None:
     """Put `downloads` (fetched into `cache`) and their UNPACK list into `context` (an environment's
     `downloads/`), only what changed rewritten (a rerun keeps the build key); none: no directory."""
     if not downloads:
-        if context.is_dir():
-            for f in context.iterdir():
-                f.unlink()
-            context.rmdir()
+        remove_tree(context)
         return
     context.mkdir(parents=True, exist_ok=True)
     for download in downloads:
-        data = fetch(download, cache).read_bytes()
-        dest = context / download.name
-        if not dest.is_file() or dest.read_bytes() != data:
-            atomic_write(dest, lambda f: f.write(data))
-    unpack = "".join(f"{d.name} {d.unpack_into} {d.tree}\n" for d in downloads if d.unpack_into)
+        write_if_changed(context / download.name, fetch(download, cache).read_bytes())
+    write_if_changed(context / UNPACK, "".join(f"{d.name} {d.unpack_into} {d.tree}\n" for d in downloads
+                                               if d.unpack_into))
     kept = {d.name for d in downloads} | {UNPACK}
     for f in context.iterdir():
         if f.name not in kept:
             f.unlink()
-    path = context / UNPACK
-    if not path.is_file() or path.read_text() != unpack:
-        atomic_write(path, lambda f: f.write(unpack.encode()))
 
 
 def _member(data: bytes, member: str) -> bytes:

@@ -85,7 +85,7 @@ from image_builder.build.upload_dates import DEFAULT_INDEX, UploadDateError, Upl
     parse_time, pins
 from image_builder.errors import ImageBuilderError
 from image_builder.oci.hostpython import local_pythons
-from image_builder.store.files import atomic_write
+from image_builder.store.files import atomic_write, write_if_changed
 from image_builder.store.ids import file_name, id_problem
 from image_builder.tasks import RepoTask, load_tasks_with_rows, read_records
 
@@ -666,12 +666,12 @@ def generate(opts: CatalogOptions, progress: Callable[[str], None] = lambda line
                 env_name = f"{named}{slug(repo)}-{version}"
                 deps_dir = context / "envs" / f"{env_name}-deps"
                 deps_dir.mkdir(parents=True, exist_ok=True)
-                _write_if_changed(deps_dir / "requirements.txt", u.requirements)
+                write_if_changed(deps_dir / "requirements.txt", u.requirements)
                 conda = u.environment_yml if opts.conda_channels else None
-                _write_if_changed(deps_dir / "conda-specs.txt", _lines(conda.conda_specs()) if conda else None)
-                _write_if_changed(deps_dir / "pip-requirements.txt", _lines(conda.pip) if conda else None)
+                write_if_changed(deps_dir / "conda-specs.txt", _lines(conda.conda_specs()) if conda else None)
+                write_if_changed(deps_dir / "pip-requirements.txt", _lines(conda.pip) if conda else None)
                 optional = pip_requirements(u.environment_yml) if u.environment_yml and not conda else None
-                _write_if_changed(deps_dir / "optional.txt", optional and (
+                write_if_changed(deps_dir / "optional.txt", optional and (
                     f"# from {u.environment_yml_path} (conda), as PyPI names\n" + _lines(optional.requirements)))
                 left = "".join(f"; left out {x}" for x in (optional or conda).left_out) if u.environment_yml else ""
                 if optional:
@@ -1025,14 +1025,6 @@ def _relative(path: Path, start: Path) -> str:
 
 def _lines(items) -> str:
     return "".join(f"{x}\n" for x in items)
-
-
-def _write_if_changed(path: Path, text: str | None) -> None:
-    """Context files keep their bytes (and so the build key) when regenerated unchanged."""
-    if text is None:
-        path.unlink(missing_ok=True)
-    elif not path.is_file() or path.read_text() != text:
-        atomic_write(path, lambda f: f.write(text.encode()))
 
 
 def _bundle_once(repo: Repository, dest: Path, head: str, since: str | None = None) -> None:

@@ -23,3 +23,14 @@ def atomic_write(dest: Path, write: Callable[[BinaryIO], object], mode: int = 0o
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_if_changed(path: Path, content: str | bytes | None) -> None:
+    """`content` at `path` (None: no file), written only where it differs: a build context's files keep
+    their bytes, and so the build key, when regenerated unchanged."""
+    if content is None:
+        path.unlink(missing_ok=True)
+        return
+    data = content.encode() if isinstance(content, str) else content
+    if not path.is_file() or path.read_bytes() != data:
+        atomic_write(path, lambda f: f.write(data))

@@ -42,9 +42,12 @@ def remove_tree(path: Path) -> None:
     """rmtree that also removes read-only directories a rootless build left behind (overlayfs leaves its
     work directory's `work/` at mode 000, which its unprivileged owner cannot even list)."""
     def make_writable_and_retry(func, p, exc):
+        # Gone meanwhile, before or during this retry: another process removes the same tree (a killed
+        # build's sandbox still cleaning up its staging while the next build removes it as dead: the next
+        # build failed).
+        if isinstance(exc[1], FileNotFoundError):
+            return
         try:
-            if isinstance(exc[1], FileNotFoundError):
-                raise exc[1]
             parent = os.path.dirname(p)
             os.chmod(parent, os.stat(parent).st_mode | stat.S_IRWXU)
             if os.path.isdir(p) and not os.path.islink(p):
@@ -54,8 +57,6 @@ def remove_tree(path: Path) -> None:
                     return
             func(p)
         except FileNotFoundError:
-            # Gone meanwhile: another process removes the same tree (a killed build's sandbox still
-            # cleaning up its staging while the next build removes it as dead: the next build failed).
             pass
 
     import shutil  # not on the run path
