@@ -59,7 +59,14 @@ $(VENV)/bin/image-builder-init: image_builder/runtime/native/init.c $(VENV)/.ins
 	musl-gcc -static -O2 -Wall -Wextra -Werror -o $@.tmp $<
 	mv $@.tmp $@
 
-native: $(VENV)/bin/squashfuse_cached $(VENV)/bin/image-builder-init
+# What a warm interpreter's jobs enter their roots with (runtime/zygote.py): freestanding, no libc, so it
+# loads into any image's interpreter.
+$(VENV)/bin/image-builder-zygote.so: image_builder/runtime/native/zygote_root.c $(VENV)/.installed
+	gcc -O2 -shared -fPIC -nostdlib -ffreestanding -fno-stack-protector -fno-builtin -Wall -Wextra -Werror \
+	    -Wl,-z,defs -o $@.tmp $<
+	mv $@.tmp $@
+
+native: $(VENV)/bin/squashfuse_cached $(VENV)/bin/image-builder-init $(VENV)/bin/image-builder-zygote.so
 
 setup: host venv native
 

@@ -1041,6 +1041,8 @@ def test_doctor_explains_the_choice():
     assert "limits" in lines
     assert lines["squashfuse"].detail.startswith(str(Path(sys.executable).parent / "squashfuse_cached") + ": ")
     assert lines["init"].ok and lines["init"].detail == str(Path(sys.executable).parent / "image-builder-init")
+    assert lines["warm interpreters"].ok, lines["warm interpreters"]
+    assert lines["warm interpreters"].detail == str(Path(sys.executable).parent / "image-builder-zygote.so")
 
 
 def test_without_its_init_no_holder_backend_is_offered(monkeypatch, tmp_path):

@@ -445,6 +445,50 @@ def test_any_script_runs_warm_as_a_fresh_interpreter_runs_it(pool, relative):
         warm.close()
 
 
+ONCE = b"""import os, sys
+MADE_IN = os.getpid()
+SEEN = []
+def zygote_job():
+    SEEN.append(sys.argv[1])
+    print(__name__, MADE_IN != os.getpid(), SEEN, sys.modules["__main__"].__name__)
+if __name__ == "__main__":
+    zygote_job()
+"""
+
+
+def test_a_program_with_a_zygote_job_runs_its_top_level_once_and_each_job_from_there(pool):
+    """A program that defines zygote_job (a grader's own, assert_sides.py) has its top level run in the
+    zygote, once; each job calls zygote_job() on a copy of that module, and what a job changes in it is
+    gone for the next (a fresh interpreter runs the file's top level itself)."""
+    program = ("/tmp/.ib-test/once.py", ONCE)
+    warm = WarmPool(pool.session, pool.layers, ("python3",), program, {}, 256)
+    try:
+        runs = [warm.run(RunRequest(argv=("python3", program[0], arg), timeout=20, memory_mb=256)) for arg in "ab"]
+        fresh = pool.session.run(RunRequest(argv=("python3", program[0], "c"), files=dict([program]), timeout=20))
+    finally:
+        warm.close()
+    assert [(r.exit_code, r.stdout) for r in runs] == [(0, b"__ib_program__ True ['a'] __ib_program__\n"),
+                                                       (0, b"__ib_program__ True ['b'] __ib_program__\n")], runs
+    assert (fresh.exit_code, fresh.stdout) == (0, b"__main__ False ['c'] __main__\n"), fresh
+
+
+def test_without_its_root_library_cases_run_in_fresh_interpreters(mbpp_store, monkeypatch):
+    """image-builder-zygote.so (native/zygote_root.c) missing: warm interpreters say why, before any job ran,
+    and the cases run the ordinary way."""
+    import image_builder.runtime.warm as warm
+    monkeypatch.setattr(warm, "zygote_library", lambda: None)
+    warm._root_library.cache_clear()
+    try:
+        task = AssertTask("512", ("assert f(1) == 2", "assert f(2) == 3"), "512")
+        with StoreExecutors(Store.open(mbpp_store)) as executors:
+            result = grade(task, "def f(x):\n    return x + 1\n", executors.for_instance("512"), GradeOptions())
+            failed = [p.failed for pools in executors._warm.values() for p in pools.pools.values()]
+    finally:
+        warm._root_library.cache_clear()
+    assert result.score == 1.0, [(c.status, c.reason, c.stderr_tail) for c in result.cases]
+    assert failed and all("image-builder-zygote.so not found" in f for f in failed), failed
+
+
 def test_graded_cases_run_warm_and_a_candidate_sees_no_evaluator(mbpp_store):
     task = AssertTask("512", ("assert f(1) == 2", "assert f(2) == 3"), "512")
     spy = """

@@ -1171,8 +1171,12 @@ def _flush():
 
 Codec.plain = Codec(None, None, None)
 
-if __name__ == "__main__":
+def zygote_job():
     if sys.argv[1] == "candidate":
         candidate(sys.argv[2])
     else:
         evaluator(sys.argv[2], sys.argv[3], sys.argv[4:] == ["pyc"])
+
+
+if __name__ == "__main__":
+    zygote_job()

@@ -32,7 +32,7 @@ from .cgroups import locate_cgroups
 from .execution import Bind
 from .holder import DEFAULT_MAX_PROCESSES
 from .holder_session import UNPACK_DIR_ENV, HolderSession
-from .mounts import INIT_MISSING, RunnerError, init_program, squashfuse
+from .mounts import INIT_MISSING, ZYGOTE_LIBRARY_MISSING, RunnerError, init_program, squashfuse, zygote_library
 from .session import Backend, InstanceLayers, Session
 from .statedir import default_state_dir, private_dir
 
@@ -127,6 +127,8 @@ def doctor() -> list[DoctorLine]:
                             else ": every open() is a FUSE round trip; `make` builds the faster squashfuse_cached")))
     init = init_program()
     lines.append(DoctorLine("init", bool(init), init or INIT_MISSING))
+    library = zygote_library()
+    lines.append(DoctorLine("warm interpreters", bool(library), library or ZYGOTE_LIBRARY_MISSING))
     apptainer = _which("apptainer")
     lines.append(DoctorLine("backend apptainer", bool(apptainer), apptainer or "not installed"))
     cg = locate_cgroups()

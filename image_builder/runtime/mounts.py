@@ -19,7 +19,7 @@ from image_builder.errors import ImageBuilderError
 
 __all__ = ["INIT_MISSING", "RootSpec", "RunnerError", "bind_readonly", "dev_template", "fuse_mount", "hold_tree",
            "init_program", "loop_mount", "map_root", "mount", "prctl", "read_file", "setns",
-           "squashfuse", "umount", "unshare", "write_file"]
+           "squashfuse", "umount", "unshare", "write_file", "zygote_library"]
 
 
 class RunnerError(ImageBuilderError):
@@ -176,6 +176,9 @@ SQUASHFUSE_ENV = "IMAGE_BUILDER_SQUASHFUSE"
 INIT_ENV = "IMAGE_BUILDER_INIT"
 INIT_MISSING = ("image-builder-init not found (built by `make` from image_builder/runtime/native/init.c into the venv; "
                 f"or set ${INIT_ENV})")
+ZYGOTE_LIBRARY = "image-builder-zygote.so"
+ZYGOTE_LIBRARY_MISSING = (f"{ZYGOTE_LIBRARY} not found beside image-builder-init (built by `make` from "
+                          "image_builder/runtime/native/zygote_root.c): runs start fresh interpreters")
 
 
 def _native(name: str) -> str | None:
@@ -203,6 +206,14 @@ def init_program() -> str | None:
     if chosen:
         return chosen if os.access(chosen, os.X_OK) else None
     return _native("image-builder-init")
+
+
+def zygote_library() -> str | None:
+    """image-builder-zygote.so (native/zygote_root.c), which a warm interpreter's jobs enter their roots
+    with (zygote.py): built by `make` beside image-builder-init, and looked for there."""
+    init = init_program()
+    path = os.path.join(os.path.dirname(init), ZYGOTE_LIBRARY) if init else None
+    return path if path and os.access(path, os.R_OK) else None
 
 
 def hold_tree(tree: str | os.PathLike) -> int:

@@ -35,13 +35,14 @@ from importlib import resources
 
 from .execution import Executor, RunRequest, RunResult
 from .holder import memfd_with
-from .mounts import INIT_MISSING, RunnerError, init_program
+from .mounts import INIT_MISSING, ZYGOTE_LIBRARY_MISSING, RunnerError, init_program, zygote_library
 from .session import Captured, InstanceLayers, Session, build_result, collect, stdin_for_run
 
 LAYERS_AT = "/.image-builder-layers"
 ZYGOTE_FILE = "/tmp/.ib-zygote/zygote.py"
 ZYGOTE = resources.files(__package__).joinpath("zygote.py").read_bytes()
 REAPER_FILE = "/tmp/.ib-zygote/init"  # zygote.py REAPER: pid 1 of each job's pid namespace
+ROOT_LIB_FILE = "/tmp/.ib-zygote/root.so"  # zygote.py ROOT_LIB: each job enters its root with it
 START_TIMEOUT = 30.0  # seconds for a zygote to answer its first job (a cold holder mounts the layers)
 GRACE = 5.0  # seconds past a job's timeout for the zygote's answer
 ZYGOTE_HEADROOM_MB = 64  # the zygote's run holds the job and the zygote: its memory limit is the job's and this
@@ -71,6 +72,23 @@ def reaper() -> bytes:
         return f.read()
 
 
+@functools.cache
+def _root_library() -> bytes | None:
+    path = zygote_library()
+    if path is None:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def root_library() -> bytes:
+    """image-builder-zygote.so, with which each zygote's jobs enter their roots (zygote.py ROOT_LIB)."""
+    library = _root_library()
+    if library is None:
+        raise WarmUnavailable(ZYGOTE_LIBRARY_MISSING)
+    return library
+
+
 class Zygote:
     """One zygote in `session`, serving runs of `*interpreter program` (None: of any script) with `env`,
     one at a time."""
@@ -87,7 +105,8 @@ class Zygote:
         self._err = b""
         self.interpreter = interpreter
         request = RunRequest(argv=(*interpreter, ZYGOTE_FILE, LAYERS_AT, *(program[:1] if program else ())),
-                             files={ZYGOTE_FILE: ZYGOTE, REAPER_FILE: reaper(), **dict([program] if program else [])},
+                             files={ZYGOTE_FILE: ZYGOTE, REAPER_FILE: reaper(), ROOT_LIB_FILE: root_library(),
+                                    **dict([program] if program else [])},
                              env=env,
                              memory_mb=memory_mb + ZYGOTE_HEADROOM_MB if memory_mb else None, max_output=0,
                              zygote=True)
