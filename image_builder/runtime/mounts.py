@@ -17,8 +17,8 @@ import sys
 
 from image_builder.errors import ImageBuilderError
 
-__all__ = ["INIT_MISSING", "RootSpec", "RunnerError", "bind_readonly", "dev_template", "fuse_mount", "hold_tree",
-           "init_program", "loop_mount", "map_root", "mount", "prctl", "read_file", "setns",
+__all__ = ["INIT_MISSING", "ZYGOTE_LIBRARY_MISSING", "RootSpec", "RunnerError", "bind_readonly", "dev_template",
+           "fuse_mount", "hold_tree", "init_program", "loop_mount", "map_root", "mount", "prctl", "read_file", "setns",
            "squashfuse", "umount", "unshare", "write_file", "zygote_library"]
 
 

@@ -8,7 +8,7 @@ is an ordinary run of the instance, with the instance's layers bound read-only i
 is a fork of it in a root, pid, mount, ipc and user namespace of its own, built on those layers.
 Measured here (2-core VM, MBPP's environment): a job running `pass` costs 7.4 ms of the machine's
 CPU as a clone (kernel backend; 4.8 rootless), where a fresh `python3 -c pass` alone is 13.3 ms; an
-MBPP assert case one at a time 8.5 ms against 19.5 ms with fresh interpreters (bench/graders.py).
+MBPP assert case one at a time 5.5 ms against 10.3 ms for bare python3 on the host (bench/graders.py).
 A zygote costs a fresh interpreter's start and serves one job at a time; WarmPool keeps one per job
 in flight.
 
