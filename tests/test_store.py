@@ -208,11 +208,14 @@ def test_resolve_errors_and_stale_lookup(tmp_path, tiny_base, registries):
     store = Store.open(tmp_path / "store")
     with pytest.raises(UnknownInstance, match="no instance 'nope'"):
         store.resolve("nope")
+    first = store.resolve("task-0")
+    assert store.resolve("task-0") is first  # kept while index.json is unchanged
     index_json = tmp_path / "store/index.json"
     doc = json.loads(index_json.read_text())
     doc["instances"]["task-0"]["workdir"] = "/changed-by-hand"
     index_json.write_text(json.dumps(doc))  # the lookup copy is now stale: the JSON must win
     assert Store.open(tmp_path / "store").resolve("task-0").workdir == "/changed-by-hand"
+    assert store.resolve("task-0").workdir == "/changed-by-hand"  # what it kept is dropped
     with pytest.raises(Exception, match="not a store"):
         Store.open(tmp_path / "nowhere")
 

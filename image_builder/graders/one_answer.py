@@ -22,6 +22,7 @@ it is not checked.)
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from itertools import combinations
@@ -65,6 +66,7 @@ def one_answer_each(questions: Sequence[Question | None], cases: list[CaseResult
 
 # --- assert cases ---------------------------------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=4096)  # as evidence.expectations: a task's cases, read for each of its many answers
 def assert_question(case: str) -> Question | None:
     """An assert case's question: the case with its last statement, `assert X == LITERAL` (or `!=`, `is`,
     `is not` with None/True/False, either side), `assert X` or `assert not X`, reduced to X; what it

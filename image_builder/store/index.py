@@ -244,6 +244,11 @@ def _stamp(st: os.stat_result) -> str:
     return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
 
 
+def index_stamp(store: Path) -> str:
+    """What changes whenever index.json is written anew (OSError where it cannot be read)."""
+    return _stamp(os.stat(Path(store) / INDEX_NAME))
+
+
 def write_index(store: Path, index: Index) -> Path:
     """index.json (temp, fsync, rename), then its lookup copy stamped with the new file's identity."""
     store = Path(store)
@@ -283,7 +288,7 @@ def lookup(store: Path, instance_id: str) -> tuple[InstanceRecord, EnvRecord] | 
     """The records of one instance from index.sqlite; None if the copy is missing or stale."""
     store = Path(store)
     try:
-        stamp = _stamp(os.stat(store / INDEX_NAME))
+        stamp = index_stamp(store)
         db = sqlite3.connect(f"file:{store / LOOKUP_NAME}?mode=ro", uri=True)
     except (OSError, sqlite3.Error):
         return None
