@@ -3,17 +3,17 @@ starts it and hands it the runs).
 
 Shipped into a run and started there as `python3 zygote.py LAYERS [PROGRAM]`, with REAPER and ROOT_LIB
 beside it; it imports nothing of image_builder and keeps to syntax Python 3.6 parses (it refuses to serve
-before 3.8, which lacks os.posix_spawn). It is a run like any other (a fresh root over the instance's layers, its
-own pid, mount, ipc and network namespaces, root of a user namespace that owns nothing of the host),
-and the instance's layers are bound read-only at LAYERS. It compiles PROGRAM (without one, each job
+before 3.8, which lacks os.posix_spawn). It is a run like any other (a fresh root over the instance's
+layers, its own pid, mount, ipc and network namespaces, root of a user namespace that owns nothing of
+the host), and the instance's layers are bound read-only at LAYERS. It compiles PROGRAM (without one, each job
 names its own, compiled in the job as `python3 FILE` would: the interpreter's start is what is saved);
 a PROGRAM that defines `zygote_job` at its top level (a grader's own file: graders/assert_sides.py) has
 that top level run here, once, as module __ib_program__, and each job calls its zygote_job() instead of
 running the file: the job's classes and functions are not made anew each time (MBPP, 2 workers: 7.9
--> 7.4 ms of the machine's CPU a case). Then it makes itself pid 1 of a pid namespace of its own (own_pid_namespace); then, per job, it makes a new
-pid namespace, starts REAPER there as its pid 1 (image-builder-init `reap`: a static program that
-reaps what the job leaves it; not dumpable, no capabilities), and forks the job's process into it
-(pid 2, as a command under an init), which:
+-> 7.6 ms of the machine's CPU a case). Then it makes itself pid 1 of a pid namespace of its own
+(own_pid_namespace); then, per job, it makes a new pid namespace, starts REAPER there as its pid 1
+(image-builder-init `reap`: a static program that reaps what the job leaves it; not dumpable, no
+capabilities), and forks the job's process into it (pid 2, as a command under an init), which:
   - enters its root with ROOT_LIB (native/zygote_root.c), one call that does what the next three say:
     built in Python, a ctypes call a mount, it cost a job 1.4 ms and 250 copy-on-write faults;
   - takes a session of its own (a process group and a scheduler autogroup);
