@@ -472,6 +472,24 @@ def test_a_program_with_a_zygote_job_runs_its_top_level_once_and_each_job_from_t
     assert (fresh.exit_code, fresh.stdout) == (0, b"__main__ False ['c'] __main__\n"), fresh
 
 
+def test_a_job_whose_file_cannot_be_written_fails_saying_where_and_the_next_is_served(pool):
+    """The job's files are written by ROOT_LIB (native/zygote_root.c ib_enter_job) in the job's root: one
+    under a file fails the job, naming the path, and nothing of it reaches the next job."""
+    out_r, out_w = os.pipe()
+    try:
+        result = pool.stream(RunRequest(argv=("python3", PROGRAM[0], SCRIPT),
+                                        files={SCRIPT: b"print('ran')\n", "/etc/passwd/x": b"1"},
+                                        timeout=20, memory_mb=256), None, out_w, out_w)
+    finally:
+        os.close(out_w)
+    with os.fdopen(out_r) as f:
+        said = f.read()
+    assert result.exit_code == 127 and "/etc/passwd/x: Not a directory" in said and "ran" not in said, said
+    code, out, _ = job(pool, "import os; print(os.path.exists('/etc/passwd/x'), open('/tmp/.ib-test/script.py').read())")
+    assert (code, out) == (0, "False import os; print(os.path.exists('/etc/passwd/x'), "
+                              "open('/tmp/.ib-test/script.py').read())\n"), out
+
+
 def test_without_its_root_library_cases_run_in_fresh_interpreters(mbpp_store, monkeypatch):
     """image-builder-zygote.so (native/zygote_root.c) missing: warm interpreters say why, before any job ran,
     and the cases run the ordinary way."""

@@ -25,10 +25,12 @@ capabilities), and forks the job's process into it (pid 2, as a command under an
   - drops into a nested user namespace that owns none of that (the mounts and /proc masks stay put);
   - reads the job's files from the job's descriptor (never the zygote: its memory holds no job's
     files or input, so no fork of it does; the control messages of earlier jobs (argv, paths,
-    limits) may linger in it: never put a job's data in argv),
-    writes them, takes the job's stdio and limits and runs PROGRAM as __main__ with the job's argv
-    (as the interpreter would: an absolute __file__, sys.path[0] its folder, an uncaught exception
-    through sys.excepthook without this file's frames, SystemExit's status).
+    limits) may linger in it: never put a job's data in argv), writes them (regular files only, as
+    init.c writes a run's), takes the job's stdio, workdir and limits: ROOT_LIB again, one call
+    (ib_enter_job; in Python it cost another 0.3-0.6 ms and 60-130 faults a job);
+  - runs PROGRAM as __main__ with the job's argv (as the interpreter would: an absolute __file__,
+    sys.path[0] its folder, an uncaught exception through sys.excepthook without this file's frames,
+    SystemExit's status).
   The zygote waits for the job's process (its child: the exit status, the peak memory), then kills
   REAPER, which takes every other process of the job with it, before it starts the next. A Python
   fork as pid 1 cost each job a second copy of the zygote's page tables, its copy-on-write faults and
@@ -79,7 +81,6 @@ import ctypes
 import fcntl
 import json
 import os
-import resource
 import select
 import signal
 import socket
@@ -110,6 +111,7 @@ print(A().f(3), sys.argv, file=sys.stderr)
 
 libc = ctypes.CDLL(None, use_errno=True)
 root_lib = None  # ROOT_LIB, loaded by serve
+STEP = ctypes.create_string_buffer(128)  # where ROOT_LIB names a step that failed
 
 
 def check(r, what):
@@ -126,11 +128,14 @@ def enter_root(layers, job, keep):
     opts = (ctypes.c_char_p * 4)(("lowerdir=%s,upperdir=/tmp/u,workdir=/tmp/w,userxattr" % layers).encode(),
                                  ("mode=755," + layer).encode(), ("mode=1777," + tmp).encode(),
                                  ("mode=1777," + shm).encode())
-    step = ctypes.create_string_buffer(128)
-    error = root_lib.ib_enter_root(opts, PROC_MASKED, ETC_MODE, job["max_processes"],
-                                   (ctypes.c_int * len(keep))(*keep), len(keep), step, len(step))
+    native(root_lib.ib_enter_root(opts, PROC_MASKED, ETC_MODE, job["max_processes"],
+                                  (ctypes.c_int * len(keep))(*keep), len(keep), STEP, len(STEP)))
+
+
+def native(error):
+    """A call of ROOT_LIB's: 0, or an errno with the step that failed in STEP."""
     if error:
-        raise OSError(error, "%s: %s" % (step.value.decode(errors="replace"), os.strerror(error)))
+        raise OSError(error, "%s: %s" % (STEP.value.decode(errors="replace"), os.strerror(error)))
 
 
 # Addresses that answer nobody on the internet either: documentation and reserved ranges, and 10.255.255.1,
@@ -207,42 +212,14 @@ def etc_mode(layers):
         return 0
 
 
-def read_files(fd):
-    data = b""
-    while True:
-        chunk = os.read(fd, 1 << 20)
-        if not chunk:
-            break
-        data += chunk
-    files, at = [], 0
-    while at < len(data):
-        (n,) = struct.unpack_from("<I", data, at)
-        path = data[at + 4:at + 4 + n].decode()
-        (size,) = struct.unpack_from("<Q", data, at + 4 + n)
-        at += 12 + n
-        files.append((path, data[at:at + size]))
-        at += size
-    return files
-
-
 def job_process(job, fds, failed_w, code, program):
     """pid 2: the job's stdio and files, its limits, then PROGRAM as __main__ (as `python3 PROGRAM ARGS`)."""
-    for i in range(3):
-        os.dup2(fds[i], i)
-    jobfd = os.dup(fds[3])
-    for fd in set(fds + [failed_w]) - {0, 1, 2}:
-        os.close(fd)
-    for path, data in read_files(jobfd):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(data)
-    os.close(jobfd)
-    os.makedirs(job["workdir"], exist_ok=True)
-    os.chdir(job["workdir"])
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    if job["memory_mb"]:
-        limit = job["memory_mb"] << 20
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    try:
+        native(root_lib.ib_enter_job((ctypes.c_int * 4)(*fds), failed_w, job["workdir"].encode(),
+                                     job["memory_mb"] << 20 if job["memory_mb"] else 0, STEP, len(STEP)))
+    except OSError as e:  # said on the job's stderr, as init.c says why a run's files cannot be written
+        os.write(2, ("image-builder: the job's files, workdir or limits: %s\n" % e).encode())
+        os._exit(127)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     prctl(PR_SET_DUMPABLE, 1)
     given = program if code is not None else job["program"]
@@ -349,6 +326,8 @@ def serve(layers, program):
         root_lib = ctypes.CDLL(ROOT_LIB)
         root_lib.ib_enter_root.argtypes = (ctypes.POINTER(ctypes.c_char_p), ctypes.c_int, ctypes.c_int, ctypes.c_long,
                                            ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_char_p, ctypes.c_int)
+        root_lib.ib_enter_job.argtypes = (ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_char_p, ctypes.c_long,
+                                          ctypes.c_char_p, ctypes.c_int)
         home = own_pid_namespace()
     except OSError as e:
         sys.stderr.write("zygote: %s\n" % e)
