@@ -37,8 +37,9 @@ capabilities), and forks the job's process into it (pid 2, as a command under an
   its teardown: 1457 -> 1077 faults a case, 173 -> 199 MBPP cases/s (2 workers, 6 rounds A/B).
 
 What a job shares with the zygote and so with the jobs before it: the interpreter's state as the
-zygote left it (modules imported, PROGRAM compiled, the hash seed), copied on write, never written
-back: what a job changes in memory dies with it. Files: the layers, read-only; every writable file
+zygote left it (modules imported, PROGRAM compiled or its top level run, ROOT_LIB loaded, the hash
+seed), copied on write, never written back: what a job changes in memory, the program's module and
+classes included, dies with it; no job's code ever runs in the zygote, and ROOT_LIB keeps no state. Files: the layers, read-only; every writable file
 system is the job's own. Processes: none survive a job. IPC: a namespace per job. Network: the
 zygote's own namespace (lo only, offline_network), as long as no job leaves a trace in it. Sockets'
 state outlives their processes (a closed connection waits a minute in TIME_WAIT; every packet, even
