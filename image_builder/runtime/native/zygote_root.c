@@ -119,7 +119,7 @@ static long write_file(const char *path, const char *text) {
     return r < 0 ? r : r == len ? 0 : -5;
 }
 
-/* Docker's /etc/hosts (zygote.py HOSTS), for layers that have none, written into the job's writable layer
+/* Docker's /etc/hosts (as init.c's HOSTS), for layers that have none, written into the job's writable layer
    before the overlay is mounted: a plain tmpfs file, where creating it through the overlay (a copy-up of
    /etc) cost 5% of a job's root. */
 static void default_hosts(int etc_mode) {
@@ -220,8 +220,8 @@ int ib_enter_job(const int fds[4], int failed_w, const char *workdir, long memor
     struct statx st;
     struct rlimit none = {0, 0}, memory = {(unsigned long)memory_bytes, (unsigned long)memory_bytes};
     long r;
-    for (int i = 0; i < 3; i++)
-        if ((r = SYS(dup2, fds[i], i)) < 0)
+    for (int i = 0; i < 3; i++) /* dup3: aarch64 has no dup2 */
+        if (fds[i] != i && (r = SYS(dup3, fds[i], i, 0)) < 0)
             return failed(&f, "the job's stdio", r);
     int jobfd = fds[3];
     for (int i = 0; i < 3; i++)
