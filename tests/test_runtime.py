@@ -1053,6 +1053,22 @@ def test_without_its_init_no_holder_backend_is_offered(monkeypatch, tmp_path):
     assert detect_backend() is Backend.EXTRACT
 
 
+def test_the_zygote_library_needs_nothing_of_the_image():
+    """image-builder-zygote.so is loaded into whatever interpreter an image has (glibc or musl, any version):
+    it names no library, imports no symbol, and asks for no executable stack (which newer glibc refuses)."""
+    library = str(Path(sys.executable).parent / "image-builder-zygote.so")
+    dynamic = subprocess.run(["readelf", "-dW", library], capture_output=True, text=True, check=True).stdout
+    undefined = subprocess.run(["nm", "-D", "--undefined-only", library], capture_output=True, text=True,
+                               check=True).stdout
+    segments = subprocess.run(["readelf", "-lW", library], capture_output=True, text=True, check=True).stdout
+    stack = [line.split() for line in segments.splitlines() if "GNU_STACK" in line]
+    assert "NEEDED" not in dynamic and undefined.strip() == "", (dynamic, undefined)
+    assert len(stack) == 1 and stack[0][6] == "RW", segments
+    exported = subprocess.run(["nm", "-D", "--defined-only", library], capture_output=True, text=True,
+                              check=True).stdout.split()
+    assert {"ib_enter_root", "ib_enter_job"} <= set(exported), exported
+
+
 def test_the_init_refuses_a_bad_command_line_in_one_line():
     r = subprocess.run([str(Path(sys.executable).parent / "image-builder-init"), "session"], capture_output=True,
                        text=True)
