@@ -55,13 +55,14 @@ $(VENV)/bin/squashfuse_cached: image_builder/runtime/native/squashfuse_cached.c 
 	mv $@.tmp $@
 
 # Every run's pid 1 (kernel and userns backends); the runtime finds it the same way.
-$(VENV)/bin/image-builder-init: image_builder/runtime/native/init.c $(VENV)/.installed
+$(VENV)/bin/image-builder-init: image_builder/runtime/native/init.c image_builder/runtime/native/hosts.h $(VENV)/.installed
 	musl-gcc -static -O2 -Wall -Wextra -Werror -o $@.tmp $<
 	mv $@.tmp $@
 
 # What a warm interpreter's jobs enter their roots with (runtime/zygote.py): freestanding, no libc, so it
 # loads into any image's interpreter.
-$(VENV)/bin/image-builder-zygote.so: image_builder/runtime/native/zygote_root.c $(VENV)/.installed
+$(VENV)/bin/image-builder-zygote.so: image_builder/runtime/native/zygote_root.c image_builder/runtime/native/hosts.h \
+                                     $(VENV)/.installed
 	gcc -O2 -shared -fPIC -nostdlib -ffreestanding -fno-stack-protector -fno-builtin -Wall -Wextra -Werror \
 	    -Wl,-z,defs -o $@.tmp $<
 	mv $@.tmp $@

@@ -495,14 +495,14 @@ def test_without_its_root_library_cases_run_in_fresh_interpreters(mbpp_store, mo
     and the cases run the ordinary way."""
     import image_builder.runtime.warm as warm
     monkeypatch.setattr(warm, "zygote_library", lambda: None)
-    warm._root_library.cache_clear()
+    warm.root_library.cache_clear()
     try:
         task = AssertTask("512", ("assert f(1) == 2", "assert f(2) == 3"), "512")
         with StoreExecutors(Store.open(mbpp_store)) as executors:
             result = grade(task, "def f(x):\n    return x + 1\n", executors.for_instance("512"), GradeOptions())
             failed = [p.failed for pools in executors._warm.values() for p in pools.pools.values()]
     finally:
-        warm._root_library.cache_clear()
+        warm.root_library.cache_clear()
     assert result.score == 1.0, [(c.status, c.reason, c.stderr_tail) for c in result.cases]
     assert failed and all("image-builder-zygote.so not found" in f for f in failed), failed
 

@@ -73,20 +73,13 @@ def reaper() -> bytes:
 
 
 @functools.cache
-def _root_library() -> bytes | None:
-    path = zygote_library()
-    if path is None:
-        return None
-    with open(path, "rb") as f:
-        return f.read()
-
-
 def root_library() -> bytes:
     """image-builder-zygote.so, with which each zygote's jobs enter their roots (zygote.py ROOT_LIB)."""
-    library = _root_library()
-    if library is None:
-        raise WarmUnavailable(ZYGOTE_LIBRARY_MISSING)
-    return library
+    path = zygote_library()
+    if path is None:
+        raise WarmUnavailable(ZYGOTE_LIBRARY_MISSING)  # not cached: looked for again at the next zygote
+    with open(path, "rb") as f:
+        return f.read()
 
 
 class Zygote:

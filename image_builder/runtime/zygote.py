@@ -121,15 +121,20 @@ def check(r, what):
         raise OSError(e, "%s: %s" % (what, os.strerror(e)))
 
 
-def enter_root(layers, job, keep):
+def root_options(layers, scratch_kb):
+    """ROOT_LIB's mount options for a job's root: the overlay's, then the scratch tmpfs's, /tmp's and
+    /dev/shm's. Made by the zygote before the fork: in the job, every object made is a page copied."""
+    layer, tmp, shm = ("size=%dk,nr_inodes=%d" % (kb - kb // 8, max(16, kb // 8)) for kb in scratch_kb)
+    return (ctypes.c_char_p * 4)(("lowerdir=%s,upperdir=/tmp/u,workdir=/tmp/w,userxattr" % layers).encode(),
+                                 ("mode=755," + layer).encode(), ("mode=1777," + tmp).encode(),
+                                 ("mode=1777," + shm).encode())
+
+
+def enter_root(options, job, keep):
     """The job's root, as the runtime's init builds one (native/init.c enter_root), and its nested user
     namespace: see the docstring. One call of ROOT_LIB (native/zygote_root.c), which first closes every
     descriptor but `keep` and takes a session of its own."""
-    layer, tmp, shm = ("size=%dk,nr_inodes=%d" % (kb - kb // 8, max(16, kb // 8)) for kb in job["scratch_kb"])
-    opts = (ctypes.c_char_p * 4)(("lowerdir=%s,upperdir=/tmp/u,workdir=/tmp/w,userxattr" % layers).encode(),
-                                 ("mode=755," + layer).encode(), ("mode=1777," + tmp).encode(),
-                                 ("mode=1777," + shm).encode())
-    native(root_lib.ib_enter_root(opts, PROC_MASKED, ETC_MODE, job["max_processes"],
+    native(root_lib.ib_enter_root(options, PROC_MASKED, ETC_MODE, job["max_processes"],
                                   (ctypes.c_int * len(keep))(*keep), len(keep), STEP, len(STEP)))
 
 
@@ -285,11 +290,11 @@ def prctl(option, value):
     libc.prctl(option, ctypes.c_ulong(value), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
 
 
-def job_child(job, fds, failed_w, layers, code, program):
+def job_child(job, fds, failed_w, options, code, program):
     """pid 2 of the job's pid namespace (a fork of the zygote; pid 1 is REAPER): its root, then the job."""
     try:
         try:
-            enter_root(layers, job, [failed_w] + fds)  # the zygote's control socket closed above all
+            enter_root(options, job, [failed_w] + fds)  # the zygote's control socket closed above all
         except BaseException as exc:  # nothing of the job ran: warm.py runs it the ordinary way
             os.write(failed_w, ("%s: %s" % (type(exc).__name__, exc)).encode())
             raise
@@ -423,6 +428,7 @@ def run_job(job, fds, layers, code, program, home):
     zygote's own pid namespace (own_pid_namespace), where it returns after making the job's."""
     if len(fds) != 4:
         return {"error": "a job comes with 4 descriptors, not %d" % len(fds)}
+    options = root_options(layers, job["scratch_kb"])
     sys.stdout.flush()
     sys.stderr.flush()
     failed_r, failed_w = os.pipe()
@@ -443,7 +449,7 @@ def run_job(job, fds, layers, code, program, home):
                 raise OSError("its init (%s) did not start" % REAPER)
             pid = os.fork()
             if pid == 0:
-                job_child(job, fds, failed_w, layers, code, program)
+                job_child(job, fds, failed_w, options, code, program)
         finally:
             home_again = libc.setns(home, NEWPID) == 0
     except OSError as e:  # nothing of the job ran

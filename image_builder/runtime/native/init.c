@@ -398,9 +398,7 @@ static void scratch_sizes(const struct spec *s, int64_t memory_mb, char out[3][6
    with a name-resolution error, which reads as a run that needed the network). A root whose image has
    none (a debootstrap tree, most registry images) gets Docker's, in its writable layer; an image's own
    is kept. Not through a symlink, nor into a directory mounted at /etc. */
-static const char HOSTS[] = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
-                            "fe00::0\tip6-localnet\nff00::0\tip6-mcastprefix\nff02::1\tip6-allnodes\n"
-                            "ff02::2\tip6-allrouters\n127.0.1.1\tsandbox\n";
+#include "hosts.h"
 
 static void default_hosts(void) {
     struct stat root, etc;
