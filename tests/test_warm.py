@@ -456,6 +456,19 @@ if __name__ == "__main__":
 """
 
 
+def test_a_job_inherits_the_zygotes_objects_frozen_and_collects_its_own(pool):
+    """The zygote freezes what it made (gc.freeze: a collection in a job would write into every object of
+    the zygote's heap, a page copied each); a job's own cycles are still collected."""
+    code, out, _ = job(pool, """
+import gc
+class Cycle:
+    pass
+c = Cycle(); c.me = c; del c
+print(gc.get_freeze_count() > 1000, gc.collect() >= 1)
+""")
+    assert (code, out.strip()) == (0, "True True"), out
+
+
 def test_a_program_with_a_zygote_job_runs_its_top_level_once_and_each_job_from_there(pool):
     """A program that defines zygote_job (a grader's own, assert_sides.py) has its top level run in the
     zygote, once; each job calls zygote_job() on a copy of that module, and what a job changes in it is

@@ -38,7 +38,7 @@ capabilities), and forks the job's process into it (pid 2, as a command under an
 
 What a job shares with the zygote and so with the jobs before it: the interpreter's state as the
 zygote left it (modules imported, PROGRAM compiled or its top level run, ROOT_LIB loaded, the hash
-seed), copied on write, never written back: what a job changes in memory, the program's module and
+seed; its objects frozen out of the collector's reach: gc.freeze), copied on write, never written back: what a job changes in memory, the program's module and
 classes included, dies with it; no job's code ever runs in the zygote, and ROOT_LIB keeps no state. Files: the layers, read-only; every writable file
 system is the job's own. Processes: none survive a job. IPC: a namespace per job. Network: the
 zygote's own namespace (lo only, offline_network), as long as no job leaves a trace in it. Sockets'
@@ -80,6 +80,7 @@ Control protocol, on descriptor 0 (a SOCK_SEQPACKET socket; descriptors with SCM
 import array
 import ctypes
 import fcntl
+import gc
 import json
 import os
 import select
@@ -344,6 +345,11 @@ def serve(layers, program):
     # every page a job (or the zygote after it) writes is a fault: compiling PROGRAM left 2 MB of freed heap
     # resident (of 9.2 MB anonymous), which malloc_trim gives back.
     libc.malloc_trim(0)
+    # The collector writes into every object it walks: a full collection in a job copied each page of the
+    # zygote's heap. Frozen, what the zygote made is never walked again (MBPP, 2 workers, A/B over 3 rounds:
+    # 7.7 -> 7.0 ms of the machine's CPU a case).
+    gc.collect()
+    gc.freeze()
     ctl.sendall(b'{"ready": true}')
     group, proc = autogroup(), proc_top()
     while True:
