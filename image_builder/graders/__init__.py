@@ -11,8 +11,8 @@ tests; graders never touch the host.
     impossible.quality_check_all(...)  ImpossibleBench's check of mutated tasks
     results.summarize / write_jsonl    pass rate, statuses, timeouts; JSONL records
 
-Graders by task kind: assert_cases (verl assert_case: the relay between the two runs
-whose code is assert_sides.py, the evaluator and the candidate), stdio (stdin/stdout and
+Graders by task kind: assert_cases (verl assert_case: starts the two runs whose code is
+assert_sides.py, the evaluator and the candidate, and connects them), stdio (stdin/stdout and
 call-based, LiveCodeBench comparison), swebench (repo tests). access holds
 ImpossibleBench's test-access modes. grading.py runs them on a store's instances
 (StoreExecutors, resumable results files, shards, per-run artifacts and regrade); rewards.py

@@ -4,8 +4,11 @@ This file is shipped into the sandbox and run there (`python3 assert_sides.py
 ROLE ...`); it imports nothing of image_builder and keeps to Python 3.6 syntax,
 since instance images carry old interpreters. assert_cases.py starts the two
 sides as two runs of their own (two roots, two pid namespaces, nothing shared)
-and relays their messages; the case's verdict is whatever the evaluator sends
-to the grader, on a pipe only the evaluator's run writes.
+and, for each case, hands the evaluator the case's candidate channel: the pipes
+to the candidate's stdin and from its stdout, over which the two talk with no
+one between. The case's verdict is whatever the evaluator sends to the grader,
+on a pipe only the evaluator's run writes; the candidate's pipes reach the
+evaluator and nothing else, and end with its run.
 
 The evaluator holds the cases. It runs each case's code itself; each free name
 of the case that the solution defines becomes a stub here. Calling a stub (or
@@ -84,13 +87,13 @@ case that hands its expected value to a function of the solution
 import os
 import sys
 
-MAX_FRAME = 64 << 20  # bytes of one message; the grader's relay enforces the same bound
+MAX_FRAME = 64 << 20  # bytes of one message (assert_cases.py reads the evaluator's within the same bound)
 MAX_EVIDENCE = 3  # lines of cheat evidence a task's evaluator sends at most (the grader keeps as many)
 
-# Frame tags: to the evaluator from the candidate (c) or the grader (h); from the evaluator to the
-# candidate (c) or to the grader: a verdict (v), a line of cheat evidence (w, before its case's verdict),
-# this file compiled (p, first). The grader sets the tag of what it forwards.
-FROM_GRADER, TO_CANDIDATE, VERDICT, EVIDENCE, COMPILED = b"h", b"c", b"v", b"w", b"p"
+# Frame tags: from the evaluator to the candidate (c) or to the grader: a verdict (v), a line of cheat
+# evidence (w, before its case's verdict), this file compiled (p, first); from the candidate (e), which
+# nothing reads: what comes on the candidate's pipe is the candidate's, whatever its tag says.
+TO_CANDIDATE, VERDICT, EVIDENCE, COMPILED = b"c", b"v", b"w", b"p"
 
 
 class ProtocolError(Exception):
@@ -98,7 +101,7 @@ class ProtocolError(Exception):
 
 
 class Gone(BaseException):
-    """The candidate's process ended (the grader says so)."""
+    """The candidate's process ended (its channel closed)."""
 
 
 def read_exact(fd, n):
@@ -494,14 +497,17 @@ class Channel(object):
         self.fd_in, self.fd_out, self.tag_out, self.codec = fd_in, fd_out, tag_out, codec
 
     def request(self, message):
-        send_frame(self.fd_out, self.tag_out, message)
+        self.send(message)
         while True:
             _, reply = self.receive()
             if type(reply) is not tuple or not reply or type(reply[0]) is not str:
                 raise ProtocolError("a message that is not a tagged tuple")
             if reply[0] in ("ok", "raise", "exit"):
                 return reply
-            send_frame(self.fd_out, self.tag_out, self.serve(reply))
+            self.send(self.serve(reply))
+
+    def send(self, message):
+        send_frame(self.fd_out, self.tag_out, message)
 
     def receive(self):
         return recv_frame(self.fd_in)
@@ -759,31 +765,38 @@ class CandidateObject(Proxy):
 
 
 class EvaluatorChannel(Channel):
-    """The case's link to the candidate. It serves only calls of the case's own functions that it
-    passed to the solution (a key function, a callback); and it hears from the grader when the
-    candidate's process ends."""
+    """The case's link to the candidate: the pipes from its stdout and to its stdin (each case its
+    own). It serves only calls of the case's own functions that it passed to the solution (a key
+    function, a callback). The candidate's process has ended when its pipe does (Gone)."""
 
-    def __init__(self, fd_out, strict):
-        Channel.__init__(self, 0, fd_out, TO_CANDIDATE,
+    def __init__(self, strict):
+        Channel.__init__(self, -1, -1, TO_CANDIDATE,
                          Codec(b"e", b"h", lambda ref, type_name: CandidateObject(ref, type_name, self)))
         self.strict = strict
         self.refusal = None  # kept: a case could catch Refused, the verdict still fails
         self.gone = False
-        self.case = -1  # the case being run: the grader's notices name it
+        self.case = -1  # the case being run
         self.names = {}  # ref -> the solution's name bound to it (this case's refs)
         self.answers = {}  # (name, plain arguments, what was read) -> (case, its first answer): the whole task
         self.answered = {}  # ref -> the key of the call whose answer it is, or was drawn from (this case's refs)
         self.drawn = {}  # ref of an iterator of such an answer -> the items drawn from it so far
         self.recorded = []  # evidence seen (witness, overloaded), sent before each case's verdict
 
+    def send(self, message):
+        try:
+            Channel.send(self, message)
+        except BrokenPipeError:
+            self.ended()
+
     def receive(self):
-        while True:
-            tag, message = recv_frame(self.fd_in)
-            if tag != FROM_GRADER:
-                return tag, message
-            if message == ("gone", self.case):  # one about an earlier case's candidate is stale
-                self.gone = True  # kept: a case could catch Gone
-                raise Gone()
+        try:
+            return recv_frame(self.fd_in)
+        except EOFError:
+            self.ended()
+
+    def ended(self):
+        self.gone = True  # kept: a case could catch Gone
+        raise Gone()
 
     def serve(self, message):
         if message[:1] != ("call",) or len(message) != 4:
@@ -1116,17 +1129,27 @@ def verdict_of(exc, channel, path):
 
 
 def evaluator(cases_path, mode, pyc):
-    """Each case of the file in turn, each against the candidate the grader connects for it; first, with
-    `pyc`, this file compiled for the candidates' fresh interpreters."""
+    """Each case of the file in turn, each against the candidate whose channel the grader hands over for
+    it (stdin: a Unix socket on which each case's pipes come); first, with `pyc`, this file compiled for
+    the candidates' fresh interpreters."""
+    import _socket
     scratch = os.path.dirname(os.path.abspath(cases_path))
     with open(cases_path, "rb") as f:
         cases = Codec.plain.dec(f.read())
     channel_out = os.dup(1)
     os.dup2(2, 1)  # a case's prints must not reach the channel
+    grader = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET, 0, os.dup(0))
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)  # a case reading stdin reads nothing
+    os.close(null)
     if pyc:
         send_frame(channel_out, COMPILED, compiled())
-    channel = EvaluatorChannel(channel_out, mode == "strict")
+    channel = EvaluatorChannel(mode == "strict")
     for index, source in enumerate(cases):
+        pipes = candidate_channel(grader)
+        if pipes is None:  # the grader is done with this task
+            break
+        channel.fd_in, channel.fd_out = pipes
         channel.codec.objects.clear()
         channel.codec.refs.clear()
         channel.names.clear()
@@ -1135,11 +1158,27 @@ def evaluator(cases_path, mode, pyc):
         channel.case = index
         recorded = len(channel.recorded)
         verdict = evaluate(channel, index, source, scratch)
+        for fd in pipes:  # the candidate's stdin ends: it leaves
+            os.close(fd)
         _flush()
         for line in channel.recorded[recorded:]:
             send_frame(channel_out, EVIDENCE, line)
         send_frame(channel_out, VERDICT, verdict)
     os._exit(0)
+
+
+def candidate_channel(grader):
+    """The next case's (from the candidate, to the candidate) pipes, as the grader sends them (one message,
+    their two descriptors); None when it sends no more."""
+    import _socket
+    _, ancillary, _, _ = grader.recvmsg(16, _socket.CMSG_LEN(2 * 4))
+    fds = [fd for level, kind, data in ancillary if (level, kind) == (_socket.SOL_SOCKET, _socket.SCM_RIGHTS)
+           for fd in memoryview(data[:len(data) - len(data) % 4]).cast("i")]
+    if len(fds) == 2:
+        return fds
+    for fd in fds:
+        os.close(fd)
+    return None
 
 
 def compiled():
