@@ -469,6 +469,12 @@ print(gc.get_freeze_count() > 1000, gc.collect() >= 1)
     assert (code, out.strip()) == (0, "True True"), out
 
 
+def test_a_job_finds_the_modules_solutions_import_most_already_imported(pool):
+    """zygote.PRELOAD: a solution's `import re` (or heapq, bisect, ...) costs its job nothing."""
+    code, out, _ = job(pool, "import sys\nprint(sorted(m for m in ('re', 'heapq', 'bisect', 'math') if m in sys.modules))")
+    assert (code, out.strip()) == (0, "['bisect', 'heapq', 'math', 're']"), out
+
+
 def test_a_program_with_a_zygote_job_runs_its_top_level_once_and_each_job_from_there(pool):
     """A program that defines zygote_job (a grader's own, assert_sides.py) has its top level run in the
     zygote, once; each job calls zygote_job() on a copy of that module, and what a job changes in it is

@@ -52,6 +52,7 @@ def grade_asserts(task: AssertTask, solution: str, executor: Executor, options: 
     mode = "strict" if options.strict else "plain"
     sides = _Sides(executor, options, len(task.cases))
     # Fresh candidate interpreters take this task's compiled copy of this file: the evaluator's first message.
+    # The evaluator runs with -S (no instance's .pth code runs beside the cases), and its zygote knows it by that.
     evaluator = _Evaluator(partial(sides.stream, sides.evaluators, RunRequest(
         argv=(options.python, "-S", SIDES_FILE, "evaluator", CASES_FILE, mode) + (() if sides.candidates else ("pyc",)),
         files={SIDES_FILE: SIDES, CASES_FILE: Codec.plain.enc(tuple(task.cases))}, env=dict(options.env),

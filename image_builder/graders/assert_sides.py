@@ -1210,6 +1210,13 @@ def _flush():
 
 Codec.plain = Codec(None, None, None)
 
+if __name__ == "__ib_program__" and sys.flags.no_site:
+    # The evaluators' zygote (assert_cases.py starts evaluators with -S, candidates without): what each of its
+    # jobs would import otherwise, imported once. ast alone, with the enum and contextlib it imports, cost every
+    # task 8 ms; a candidate's zygote never holds it (0.9 MB more of a zygote is more of each job's fork).
+    import ast  # noqa: F401
+
+
 def zygote_job():
     if sys.argv[1] == "candidate":
         candidate(sys.argv[2])

@@ -22,6 +22,7 @@ from __future__ import annotations
 import array
 import functools
 import json
+import marshal
 import os
 import select
 import signal
@@ -141,6 +142,8 @@ class Zygote:
                "workdir": request.workdir or workdir,
                "timeout": request.timeout, "memory_mb": request.memory_mb,
                "max_processes": self.session.max_processes, "scratch_kb": scratch_kb(request.memory_mb)}
+        # marshal's version 4, which every Python the zygote runs on reads (3.4 on): the zygote imports no
+        # json. Only here is it ever unmarshalled from: the zygote's answers, written in the instance, are JSON.
         given = []
         # What a run may have of the caller's stdin, as Session.stream gives it (never a host file or terminal).
         shown, release = stdin_for_run(stdin if request.stdin is None else None)
@@ -150,7 +153,7 @@ class Zygote:
                              os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC) if shown is None else os.dup(shown))
                 given.append(memfd_with(files))
                 t0 = time.monotonic()
-                self._ctl.sendmsg([json.dumps(job).encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array(
+                self._ctl.sendmsg([marshal.dumps(job, 4)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array(
                     "i", [given[0], stdout, stderr, given[1]]))])
             except OSError as e:
                 raise WarmUnavailable(f"the zygote took no job: {e}") from None
