@@ -56,8 +56,8 @@ for path in ("/etc/ib-left", "/tmp/ib-left", "/dev/shm/ib-left", "/root/ib-left"
 libc = ctypes.CDLL(None, use_errno=True)
 shm = libc.shmget(0x1B1B, 4096, 0o1666)  # IPC_CREAT | 0666, never removed
 assert shm >= 0, ctypes.get_errno()
-subprocess.Popen(["python3", "-c", "import os, time; os.setsid(); time.sleep(60)  # ib-left-daemon"],
-                 start_new_session=True)
+subprocess.Popen(["python3", "-c", "import time; time.sleep(60)  # ib-left-daemon"],
+                 start_new_session=True)  # (a setsid() of its own failed: it is a session's leader already)
 import json
 json.ib_left = "in memory"
 os.environ["IB_LEFT"] = "1"
