@@ -33,7 +33,7 @@
 
 #include "hosts.h"
 
-#define ROOT "/tmp/.ib-job" /* zygote.py ROOT: in the job's own mount namespace only */
+#define ROOT "/tmp/.ib-job" /* where the job's root is built: in its own mount namespace, on its own /tmp */
 #define MNT_DETACH 2
 #define SIG_UNBLOCK 1
 #define SIGCHLD 17
