@@ -140,7 +140,7 @@ class Zygote:
                          for p, d in request.placed_files(workdir).items())
         job = {"argv": list(request.argv[len(self.interpreter) + 1:]), "program": request.argv[len(self.interpreter)],
                "workdir": request.workdir or workdir,
-               "timeout": request.timeout, "memory_mb": request.memory_mb,
+               "memory_mb": request.memory_mb,
                "max_processes": self.session.max_processes, "scratch_kb": scratch_kb(request.memory_mb)}
         # marshal's version 4, which every Python the zygote runs on reads (3.4 on): the zygote imports no
         # json. Only here is it ever unmarshalled from: the zygote's answers, written in the instance, are JSON.
@@ -153,7 +153,8 @@ class Zygote:
                              os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC) if shown is None else os.dup(shown))
                 given.append(memfd_with(files))
                 t0 = time.monotonic()
-                self._ctl.sendmsg([marshal.dumps(job, 4)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array(
+                timeout = -1 if request.timeout is None else int(request.timeout * 1e6)  # zygote.py HEADER
+                self._ctl.sendmsg([struct.pack("<q", timeout) + marshal.dumps(job, 4)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array(
                     "i", [given[0], stdout, stderr, given[1]]))])
             except OSError as e:
                 raise WarmUnavailable(f"the zygote took no job: {e}") from None

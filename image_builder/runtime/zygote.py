@@ -35,17 +35,22 @@ capabilities), and forks the job's process into it (pid 2, as a command under an
   REAPER, which takes every other process of the job with it, before it starts the next. A Python
   fork as pid 1 cost each job a second copy of the zygote's page tables, its copy-on-write faults and
   its teardown: 1457 -> 1077 faults a case, 173 -> 199 MBPP cases/s (2 workers, 6 rounds A/B).
+  The loop between two forks (receive the job, the pid keeper, the job's pid namespace and REAPER, the
+  waits, the checks below, the answer) is ROOT_LIB's too (ib_next, ib_wait): in Python it wrote over
+  about 200 pages of the zygote's heap a job, a copy-on-write fault each while the job lived (MBPP, 2
+  workers, A/B over 8 rounds: 884 -> 687 faults, 9.8 -> 8.7 ms of the machine's CPU a case).
 
 What a job shares with the zygote and so with the jobs before it: the interpreter's state as the
 zygote left it (modules imported, PROGRAM compiled or its top level run, ROOT_LIB loaded, the hash
 seed; its objects frozen out of the collector's reach: gc.freeze), copied on write, never written back: what a job changes in memory, the program's module and
-classes included, dies with it; no job's code ever runs in the zygote, and ROOT_LIB keeps no state. Files: the layers, read-only; every writable file
+classes included, dies with it; no job's code ever runs in the zygote, and ROOT_LIB keeps only its loop's state (what the
+jobs must leave as they found it, the answer it sends), nothing a job gave it but the control message. Files: the layers, read-only; every writable file
 system is the job's own. Processes: none survive a job. IPC: a namespace per job. Network: the
 zygote's own namespace (lo only, offline_network), as long as no job leaves a trace in it. Sockets'
 state outlives their processes (a closed connection waits a minute in TIME_WAIT; every packet, even
 one refused for want of a route, counts in /proc/net/snmp): a namespace a job used let the next job
 read what it left, and pass a case it could not pass alone. So after each job the zygote reads what
-a job can change there (NET_STATE: the counters, and what outlives a process without a packet: unix
+a job can change there (zygote_root.c net_state: the counters, and what outlives a process without a packet: unix
 sockets in flight, IPv6 flow labels) and, where anything differs, makes itself a new
 namespace before the next job. Nothing else of a namespace is a job's to change: its configuration
 (routes, addresses, filters) takes CAP_NET_ADMIN where the job has no capability (its user namespace
@@ -67,10 +72,11 @@ serve. A zygote that stops answering all the same is killed with its run (warm.p
 zygote is another run, in another pid namespace.
 
 Control protocol, on descriptor 0 (a SOCK_SEQPACKET socket; descriptors with SCM_RIGHTS), what it sends
-JSON, what it takes marshal's format (version 4; warm.py writes it, no job ever does):
+JSON, what it takes a header and marshal's format (version 4; warm.py writes it, no job ever does):
   <- {"ready": true} once, when it takes jobs
-  -> {"argv": [...] (after PROGRAM), "program": path (the job's, without PROGRAM), "workdir": str,
-      "timeout": s|null, "memory_mb": n|null, "max_processes": n, "scratch_kb": [layer, tmp, shm]
+  -> the job's timeout in microseconds (int64, little-endian; < 0: none), then
+     {"argv": [...] (after PROGRAM), "program": path (the job's, without PROGRAM), "workdir": str,
+      "memory_mb": n|null, "max_processes": n, "scratch_kb": [layer, tmp, shm]
       (each tmpfs's share of the memory: init.c's scratch_sizes)} + stdin, stdout, stderr, the
       job's files (u32 path length, path, u64 size, bytes; paths absolute)
   <- {"exit_code": n|null, "signal": n|null, "timed_out": b, "peak_memory_kb": n[, "retire": why]} or
@@ -80,16 +86,14 @@ JSON, what it takes marshal's format (version 4; warm.py writes it, no job ever 
 
 # Only C modules past ctypes (and PRELOAD): json and socket.py were the zygote's by accident, and cost its
 # jobs' forks their pages (0.4 MB beyond PRELOAD's). Jobs come in marshal's format (only warm.py writes it),
-# answers go in JSON written by to_json.
+# answers go in JSON written by ROOT_LIB.
 import _signal as signal
 import _socket as socket
-import array
 import ctypes
 import fcntl
 import gc
 import marshal
 import os
-import select
 import stat
 import struct
 import sys
@@ -107,7 +111,8 @@ ROOT_LIB = "/tmp/.ib-zygote/root.so"  # native/zygote_root.c, shipped beside thi
 # itertools come with the interpreter or ctypes.)
 PRELOAD = ("re", "heapq", "bisect", "math", "copy", "functools")
 ENTRY = "zygote_job"  # a PROGRAM that defines it has its top level run once, in the zygote (the docstring)
-START_TIMEOUT = 10.0  # seconds for REAPER to say it is ready
+IB_END, IB_FORK, IB_NEXT, IB_NETWORK = range(4)  # ROOT_LIB's loop (zygote_root.c)
+HEADER = 8  # a job's message starts with its timeout for ROOT_LIB's loop (zygote_root.c HEADER)
 PROC_MASKED = False  # masks are mounted over parts of the zygote's /proc (serve tells)
 ETC_MODE = 0  # the layers' /etc's mode where each job's root gets Docker's /etc/hosts (serve tells; 0: none)
 WARM_UP = """import sys
@@ -165,30 +170,10 @@ _RT_TABLE_MAIN, _RTPROT_STATIC, _RT_SCOPE_LINK, _RTN_UNICAST, _RTA_DST, _RTA_OIF
     254, 4, 253, 1, 1, 4, 1
 
 
-# What a job can change in the shared network namespace and leave behind (the docstring), 0.2 ms to read: the
-# namespace's counters (a socket outlives its process only where packets went: TIME_WAIT, an orphan, which
-# /proc/net/tcp would list at 3.4 ms a read), the unix sockets (one in flight outlives its process, and so do
-# the sockets sent in it), the flow labels (they linger). Not sockstat: its counts of allocations and memory
-# are the host's, and it counts sockets freed after an RCU grace period (the zygote's own netlink one).
-NET_STATE = ("dev", "snmp", "snmp6", "netstat", "unix", "ip6_flowlabel")
-
-
-def net_state():
-    got = []
-    for name in NET_STATE:
-        try:
-            with open("/proc/self/net/" + name, "rb") as f:
-                got.append(f.read())
-        except OSError as e:  # a kernel without IPv6: the same each time
-            got.append(e.errno)
-    return got
-
-
 def new_network():
-    """A network namespace of the zygote's own for its jobs (offline_network), and what it holds now."""
+    """A network namespace of the zygote's own for its jobs (offline_network)."""
     check(libc.unshare(NEWNET), "unshare the network namespace")
     offline_network()
-    return net_state()
 
 
 def offline_network():
@@ -306,17 +291,25 @@ def prctl(option, value):
     libc.prctl(option, ctypes.c_ulong(value), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
 
 
-def job_child(job, fds, failed_w, options, code, program):
+def job_child(job, msg, layers, code, program):
     """pid 2 of the job's pid namespace (a fork of the zygote; pid 1 is REAPER): its root, then the job."""
     try:
+        fds, failed_w = list(job.fds), job.failed_w
         try:
-            enter_root(options, job, [failed_w] + fds)  # the zygote's control socket closed above all
+            # Its message after the header (zygote_root.c HEADER: the timeout, the zygote's to keep).
+            job = marshal.loads(ctypes.string_at(ctypes.addressof(msg) + HEADER, job.msg_len))
+            enter_root(root_options(layers, job["scratch_kb"]), job, [failed_w] + fds)  # closes the zygote's
         except BaseException as exc:  # nothing of the job ran: warm.py runs it the ordinary way
             os.write(failed_w, ("%s: %s" % (type(exc).__name__, exc)).encode())
             raise
         job_process(job, fds, failed_w, code, program)
     finally:
         os._exit(127)
+
+
+class Job(ctypes.Structure):
+    """zygote_root.c struct ib_job: what the job's process takes up (its message in the zygote's buffer)."""
+    _fields_ = [("msg_len", ctypes.c_long), ("fds", ctypes.c_int * 4), ("failed_w", ctypes.c_int)]
 
 
 def serve(layers, program):
@@ -355,12 +348,23 @@ def serve(layers, program):
                                            ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_char_p, ctypes.c_int)
         root_lib.ib_enter_job.argtypes = (ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_char_p, ctypes.c_long,
                                           ctypes.c_char_p, ctypes.c_int)
+        root_lib.ib_loop_start.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p,
+                                           ctypes.c_long)
+        root_lib.ib_next.argtypes = (ctypes.POINTER(Job),)
+        root_lib.ib_wait.argtypes = (ctypes.POINTER(Job), ctypes.c_long)
+        root_lib.ib_answer.argtypes = (ctypes.c_char_p,)
         home = own_pid_namespace()
     except OSError as e:
         sys.stderr.write("zygote: %s\n" % e)
         sys.exit(3)
-    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])  # run_job's waits: sigtimedwait
-    network = new_network()
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])  # ROOT_LIB's waits: sigtimedwait
+    new_network()
+    msg = ctypes.create_string_buffer(1 << 16)  # each job's control message: the loop is ROOT_LIB's (the docstring)
+    error = root_lib.ib_loop_start(ctl.fileno(), keeper.fileno() if keeper else -1, home, REAPER.encode(), msg,
+                                   len(msg))
+    if error:
+        sys.stderr.write("zygote: the state jobs must leave as it is: %s\n" % os.strerror(error))
+        sys.exit(3)
     # Every job's fork copies the zygote's page tables, write-protects its pages and tears them down, and
     # every page a job (or the zygote after it) writes is a fault: compiling PROGRAM left 2 MB of freed heap
     # resident (of 9.2 MB anonymous), which malloc_trim gives back.
@@ -371,53 +375,24 @@ def serve(layers, program):
     gc.collect()
     gc.freeze()
     ctl.sendall(b'{"ready": true}')
-    group, proc = autogroup(), proc_top()
-    while True:
-        fds = array.array("i")
+    job = Job()
+    while root_lib.ib_next(ctypes.byref(job)) == IB_FORK:
         try:
-            msg, anc, _, _ = ctl.recvmsg(1 << 16, socket.CMSG_SPACE(4 * fds.itemsize))
-        except OSError:
-            return
-        for level, kind, data in anc:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
-        if not msg:
-            return
-        if keeper and not reset_pids(keeper):
-            ctl.sendall(b'{"error": "its pid keeper is gone"}')  # the job runs the ordinary way
-            return
-        answer = run_job(marshal.loads(msg), list(fds), layers, code, program, home)
-        for fd in fds:
-            os.close(fd)
-        # The job reniced it through /proc/ZYGOTE/autogroup (no later job slowed), or set the times of the top
-        # of the zygote's /proc, which is every job's where it is masked (kernel backend): a count the next job
-        # read (red team). The zygote's run then ends, and its init with it.
-        retire = answer.pop("retire", None) or (
-            "a job changed the zygote's scheduling group" if autogroup() != group else
-            "a job changed the times of /proc" if proc_top() != proc else None)
-        if not retire and net_state() != network:
+            pid = os.fork()
+        except OSError as e:
+            pid = -e.errno
+        if pid == 0:
+            job_child(job, msg, layers, code, program)
+        got = root_lib.ib_wait(ctypes.byref(job), pid)
+        if got == IB_NETWORK:  # the job left a trace in the network namespace (the docstring)
             try:
-                network = new_network()
+                new_network()
+                retire = None if root_lib.ib_net_baseline() == 0 else b"the network's state does not fit"
             except OSError as e:
-                retire = "a job used the network, and no new one could be made: %s" % e
-        if retire:
-            answer["retire"] = retire
-        ctl.sendall(to_json(answer))
-        if retire:
+                retire = ("a job used the network, and no new one could be made: %s" % e).encode()
+            got = root_lib.ib_answer(retire)
+        if got == IB_END:
             return
-
-
-def to_json(answer):
-    """An answer (a dict of str to None, bool, int or str) as JSON text; characters past ASCII's printable
-    ones escaped, those past the BMP as U+FFFD."""
-    def value(v):
-        if v is None or isinstance(v, bool):
-            return {None: "null", True: "true", False: "false"}[v]
-        if isinstance(v, int):
-            return str(v)
-        return '"%s"' % "".join(c if " " <= c <= "~" and c not in '"\\' else "\\u%04x" % min(ord(c), 0xFFFD)
-                                for c in v)
-    return ("{%s}" % ", ".join("%s: %s" % (value(k), value(v)) for k, v in answer.items())).encode()
 
 
 def pid_keeper():
@@ -446,86 +421,6 @@ def reset_pids(keeper):
         return keeper.recv(1) == b"k"
     except OSError:
         return False
-
-
-def proc_top():
-    st = os.stat("/proc")
-    return st.st_mtime_ns, st.st_ctime_ns, st.st_mode, st.st_uid
-
-
-def autogroup():
-    """This process's scheduler autogroup and its nice, as /proc says them (None without autogroups)."""
-    try:
-        with open("/proc/self/autogroup") as f:
-            return f.read()
-    except OSError:
-        return None
-
-
-def run_job(job, fds, layers, code, program, home):
-    """The job's answer, once every process of it is gone (a fork bomb's take a second or more). `home`: the
-    zygote's own pid namespace (own_pid_namespace), where it returns after making the job's."""
-    if len(fds) != 4:
-        return {"error": "a job comes with 4 descriptors, not %d" % len(fds)}
-    options = root_options(layers, job["scratch_kb"])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    failed_r, failed_w = os.pipe()
-    ready_r, ready_w = os.pipe()
-    reaper = pid = None
-    home_again = True  # the zygote's next child is in its own pid namespace again
-    try:
-        check(libc.unshare(NEWPID), "unshare the job's pid namespace")
-        try:
-            actions = [(os.POSIX_SPAWN_CLOSE, fd) for fd in fds if fd > 3]
-            actions += [(os.POSIX_SPAWN_DUP2, ready_w, 3), (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDWR, 0),
-                        (os.POSIX_SPAWN_DUP2, 0, 1), (os.POSIX_SPAWN_DUP2, 0, 2)]
-            reaper = os.posix_spawn(REAPER, [REAPER, "reap"], {}, file_actions=actions)
-            os.close(ready_w)
-            ready_w = -1
-            ready, _, _ = select.select([ready_r], [], [], START_TIMEOUT)
-            if not (ready and os.read(ready_r, 1) == b"r"):
-                raise OSError("its init (%s) did not start" % REAPER)
-            pid = os.fork()
-            if pid == 0:
-                job_child(job, fds, failed_w, options, code, program)
-        finally:
-            home_again = libc.setns(home, NEWPID) == 0
-    except OSError as e:  # nothing of the job ran
-        if reaper:
-            os.kill(reaper, signal.SIGKILL)
-            os.waitpid(reaper, 0)
-        os.close(failed_r)
-        return {"error": str(e)}
-    finally:
-        for fd in (failed_w, ready_r, ready_w):
-            if fd >= 0:
-                os.close(fd)
-    deadline = None if job["timeout"] is None else time.monotonic() + job["timeout"]
-    timed_out = False
-    while True:
-        got, status, usage = os.wait4(pid, os.WNOHANG)
-        if got:
-            break
-        left = None if deadline is None else deadline - time.monotonic()
-        if left is not None and left <= 0:
-            timed_out = True
-            os.kill(reaper, signal.SIGKILL)  # pid 1 of the job's namespace: the whole job
-            _, status, usage = os.wait4(pid, 0)
-            break
-        signal.sigtimedwait([signal.SIGCHLD], 60 if left is None else min(left, 60))
-    os.kill(reaper, signal.SIGKILL)  # what the job's process left running
-    os.waitpid(reaper, 0)  # returns once every process of the namespace is gone
-    failed = os.read(failed_r, 4096)
-    os.close(failed_r)
-    if failed:
-        return {"error": failed.decode(errors="replace")}
-    answer = {"exit_code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
-              "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
-              "timed_out": timed_out, "peak_memory_kb": usage.ru_maxrss}
-    if not home_again:
-        answer["retire"] = "it could not return to its own pid namespace"
-    return answer
 
 
 def own_pid_namespace():

@@ -1,5 +1,5 @@
 /* image-builder-zygote.so: a warm interpreter's job enters its root, then takes its files, stdio and
- * limits, in two calls (runtime/zygote.py).
+ * limits, in two calls; and the zygote's loop between jobs (runtime/zygote.py; at the end of this file).
  *
  * A zygote's job is a fork of a Python process. Built in Python, a ctypes call per mount, its
  * root cost each job 1.4 ms and 250 copy-on-write faults (40 MBPP tasks one at a time, medians),
@@ -7,8 +7,8 @@
  * a page copied. These calls touch their stack and their arguments.
  *
  * Freestanding (no libc: raw system calls, the kernel's own headers), so it loads into whatever
- * interpreter an image has, glibc or musl, old or new, and has no state of its own: it is loaded
- * once by the zygote and called in each job's process, after the fork.
+ * interpreter an image has, glibc or musl, old or new. It is loaded once by the zygote; the two
+ * calls above are made in each job's process, after the fork, and keep no state; the loop keeps its own.
  *
  * int ib_enter_root(const char *const opts[4], int proc_masked, int etc_mode, long max_processes,
  *                   const int *keep, int nkeep, char *step, int steplen)
@@ -322,3 +322,448 @@ int ib_enter_root(const char *const opts[4], int proc_masked, int etc_mode, long
         return failed(&f, "map the user namespace", r);
     return 0;
 }
+
+/* ---- the zygote's loop (zygote.py serve) --------------------------------------------------------------------
+ *
+ * Between two jobs the zygote receives the next, resets the pid keeper, makes the job's pid namespace and its
+ * REAPER, and after Python's fork waits for the job and answers. In Python that loop wrote over about 200 pages
+ * of the interpreter's heap each job, a copy-on-write fault each, since the fork shares them (figures in
+ * zygote.py); here it writes its stack, this file's state below and the message.
+ *
+ * int ib_loop_start(int ctl, int keeper, int home, const char *reaper, char *msg, long room)
+ *   ctl: the control socket; keeper: the pid keeper's socket or -1; home: the zygote's own pid namespace;
+ *   msg, room: where each job's message is received. Reads what the jobs must leave as it is (the zygote's
+ *   autogroup, the times of /proc) and the network's state. Returns 0 or an errno.
+ * int ib_net_baseline(void)
+ *   The network's state now is the one jobs must leave (after the zygote made a new namespace).
+ * int ib_next(struct ib_job *job)
+ *   The next job: IB_FORK with its REAPER up as pid 1 of a new pid namespace: the caller forks the job's
+ *   process now (the fork's child, pid 2, takes up `job`), then calls ib_wait. IB_END: no more jobs. A job
+ *   that cannot start is answered {"error": ...} here (warm.py runs it the ordinary way).
+ * int ib_wait(struct ib_job *job, long pid)
+ *   In the zygote after the fork (pid < 0: -errno of a failed one): back to its own pid namespace, waits for
+ *   the job (its timeout), kills REAPER and with it the rest, answers. IB_NEXT: answered; IB_END: answered
+ *   with "retire"; IB_NETWORK: the job changed the network's state: the caller makes a new namespace, then
+ *   ib_answer sends the answer.
+ * int ib_answer(const char *retire)
+ *   Sends the answer ib_wait kept, with "retire": `retire` unless NULL. IB_NEXT or IB_END.
+ */
+#include <linux/poll.h>
+#include <linux/time_types.h>
+
+enum { IB_END, IB_FORK, IB_NEXT, IB_NETWORK };
+
+struct ib_job {      /* zygote.py Job */
+    long msg_len;    /* the job's message (marshal) in msg, after its header */
+    int fds[4];      /* stdin, stdout, stderr, the files' memfd */
+    int failed_w;    /* where the job's process says why it did not start */
+};
+
+#define HEADER 8                /* a message starts with the job's timeout in microseconds (int64, < 0: none) */
+#define NET_ROOM (64 << 10)     /* the network's state, each copy (about 12 kB in a namespace with only lo) */
+#define ANSWER_ROOM 4608
+#define START_TIMEOUT_MS 10000  /* for REAPER to say it is ready */
+#define SIGKILL 9
+#define WNOHANG 1
+#define SIG_SETMASK 2
+#define MSG_CMSG_CLOEXEC 0x40000000
+#define SOL_SOCKET 1
+#define SCM_RIGHTS 1
+#define CLOCK_MONOTONIC 1
+
+struct iovec_ { void *base; unsigned long len; };
+struct msghdr_ { void *name; int namelen; struct iovec_ *iov; unsigned long iovlen; void *control;
+                 unsigned long controllen; int flags; };
+struct cmsghdr_ { unsigned long len; int level, type; };
+struct sigaction_ { unsigned long handler, flags, restorer, mask; };
+
+static struct {
+    int ctl, keeper, home, reaper, failed_r;
+    char reaper_path[256];
+    char *msg;
+    long room, timeout_us;
+    char autogroup[256];
+    long autogroup_len;
+    struct statx proc;
+    long net_len;
+    char net[NET_ROOM], now[NET_ROOM];
+    char answer[ANSWER_ROOM];
+    int answer_len;
+} loop;
+
+/* The child of the vfork-style clone below: on its own stack, in the zygote's memory (so it writes none),
+   the zygote stopped until it execs REAPER. */
+struct spawn { int ready_w; const char *argv[3]; const char *envp[1]; unsigned long mask; };
+
+/* clone(flags, stack) that runs fn(arg) on `stack` in the child, which then exits with fn's value; the caller's
+   view: the child's pid or -errno. As musl's __clone. */
+long ib_clone(unsigned long flags, void *stack, int (*fn)(void *), void *arg);
+#if defined(__x86_64__)
+__asm__(".text\n.hidden ib_clone\n.type ib_clone,@function\nib_clone:\n"
+        "  and $-16, %rsi\n  sub $16, %rsi\n  mov %rdx, (%rsi)\n  mov %rcx, 8(%rsi)\n"
+        "  xor %edx, %edx\n  xor %r10d, %r10d\n  xor %r8d, %r8d\n  mov $56, %eax\n  syscall\n"
+        "  test %rax, %rax\n  jnz 1f\n"
+        "  xor %ebp, %ebp\n  pop %rax\n  pop %rdi\n  call *%rax\n  mov %eax, %edi\n  mov $60, %eax\n  syscall\n  hlt\n"
+        "1: ret\n");
+#elif defined(__aarch64__)
+__asm__(".text\n.hidden ib_clone\n.type ib_clone,%function\nib_clone:\n"
+        "  and x1, x1, #-16\n  stp x2, x3, [x1, #-16]!\n"
+        "  mov x2, #0\n  mov x3, #0\n  mov x4, #0\n  mov x8, #220\n  svc #0\n"
+        "  cbz x0, 1f\n  ret\n"
+        "1: ldp x1, x0, [sp], #16\n  blr x1\n  mov x8, #93\n  svc #0\n  brk #0\n");
+#endif
+
+static int reaper_child(void *arg) {
+    struct spawn *s = arg;
+    struct sigaction_ dfl = {0, 0, 0, 0}, old;
+    long null;
+    /* The zygote's handlers (Python's) must not run here, in its memory: default, then its mask back. */
+    for (int sig = 1; sig <= 64; sig++)
+        if (sig != SIGKILL && sig != 19 && !SYS(rt_sigaction, sig, 0, &old, 8) && old.handler > 1)
+            SYS(rt_sigaction, sig, &dfl, 0, 8);
+    SYS(rt_sigprocmask, SIG_SETMASK, &s->mask, 0, 8);
+    if (s->ready_w == 3 ? SYS(fcntl, 3, F_SETFD, 0) : SYS(dup3, s->ready_w, 3, 0) < 0)
+        return 127;
+    if ((null = SYS(openat, AT_FDCWD, "/dev/null", O_RDWR)) < 0)
+        return 127;
+    for (int fd = 0; fd < 3; fd++)
+        if (null != fd && SYS(dup3, null, fd, 0) < 0)
+            return 127;
+    if (null > 3)
+        SYS(close, null);
+    SYS(execve, s->argv[0], s->argv, s->envp);
+    return 127;
+}
+
+static long now_us(void) {
+    struct __kernel_timespec t;
+    SYS(clock_gettime, CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000L + t.tv_nsec / 1000;
+}
+
+static long read_file(const char *path, char *buf, long room) {
+    long fd = SYS(openat, AT_FDCWD, path, O_RDONLY | O_CLOEXEC), got = 0, n = 1;
+    if (fd < 0)
+        return fd;
+    while (got < room && (n = SYS(read, fd, buf + got, room - got)) > 0)
+        got += n;
+    SYS(close, fd);
+    return n < 0 ? n : got < room ? got : -27; /* EFBIG: more than room */
+}
+
+/* What a job can change in the shared network namespace and leave behind (zygote.py's docstring), 0.2 ms to
+   read: the namespace's counters (a socket outlives its process only where packets went: TIME_WAIT, an
+   orphan, which /proc/net/tcp would list at 3.4 ms a read), the unix sockets (one in flight outlives its
+   process, and so do the sockets sent in it), the flow labels (they linger). Not sockstat: its counts of
+   allocations and memory are the host's, and it counts sockets freed after an RCU grace period. In `buf`:
+   each file's length (or -errno: a kernel without IPv6, the same each time) and content. Its length; 0
+   where it does not fit (never equal). */
+static long net_state(char *buf) {
+    static const char *const names[] = {"/proc/self/net/dev", "/proc/self/net/snmp", "/proc/self/net/snmp6",
+                                        "/proc/self/net/netstat", "/proc/self/net/unix",
+                                        "/proc/self/net/ip6_flowlabel"};
+    long at = 0;
+    for (int i = 0; i < 6; i++) {
+        if (NET_ROOM - at < 8)
+            return 0;
+        long n = read_file(names[i], buf + at + 8, NET_ROOM - at - 8);
+        if (n == -27)
+            return 0;
+        for (int k = 0; k < 8; k++)
+            buf[at + k] = (char)(n >> (8 * k));
+        at += 8 + (n > 0 ? n : 0);
+    }
+    return at;
+}
+
+static int same(const char *a, const char *b, long n) {
+    for (long i = 0; i < n; i++)
+        if (a[i] != b[i])
+            return 0;
+    return 1;
+}
+
+static int proc_top(struct statx *st) {
+    return SYS(statx, AT_FDCWD, "/proc", 0, STATX_MODE | STATX_UID | STATX_MTIME | STATX_CTIME, st) ? -1 : 0;
+}
+
+static int same_proc_top(void) {
+    struct statx st;
+    return !proc_top(&st) && st.stx_mtime.tv_sec == loop.proc.stx_mtime.tv_sec &&
+           st.stx_mtime.tv_nsec == loop.proc.stx_mtime.tv_nsec && st.stx_ctime.tv_sec == loop.proc.stx_ctime.tv_sec &&
+           st.stx_ctime.tv_nsec == loop.proc.stx_ctime.tv_nsec && st.stx_mode == loop.proc.stx_mode &&
+           st.stx_uid == loop.proc.stx_uid;
+}
+
+static int same_autogroup(void) {
+    char now[sizeof loop.autogroup];
+    long n = read_file("/proc/self/autogroup", now, sizeof now);
+    return n == loop.autogroup_len && (n < 0 || same(now, loop.autogroup, n));
+}
+
+/* The answer, JSON (warm.py reads it), built in loop.answer. */
+static void put(const char *s) {
+    while (*s && loop.answer_len < ANSWER_ROOM - 64)
+        loop.answer[loop.answer_len++] = *s++;
+}
+
+static void put_long(long v) {
+    char digits[24];
+    int n = 0;
+    unsigned long u = v < 0 ? -(unsigned long)v : (unsigned long)v;
+    do
+        digits[n++] = '0' + u % 10;
+    while (u /= 10);
+    if (v < 0)
+        put("-");
+    while (n)
+        loop.answer[loop.answer_len++] = digits[--n];
+}
+
+/* Inside a JSON string: printable ASCII as it is but for '"' and '\', every other byte as \u00XX. */
+static void put_text(const char *s, long n) {
+    static const char hex[] = "0123456789abcdef";
+    for (long i = 0; i < n && loop.answer_len < ANSWER_ROOM - 64; i++) {
+        unsigned char c = s[i];
+        if (c >= ' ' && c <= '~' && c != '"' && c != '\\') {
+            loop.answer[loop.answer_len++] = c;
+        } else {
+            char esc[7] = {'\\', 'u', '0', '0', hex[c >> 4], hex[c & 15], 0};
+            put(esc);
+        }
+    }
+}
+
+static int send_answer(void) {
+    long r;
+    do
+        r = SYS(sendto, loop.ctl, loop.answer, loop.answer_len, 0, 0, 0);
+    while (r == -4 /* EINTR */);
+    return r < 0 ? -1 : 0;
+}
+
+/* {"error": TEXT}, or with `err` {"error": "TEXT: errno ERR"} */
+static int answer_error(const char *text, long n, long err) {
+    loop.answer_len = 0;
+    put("{\"error\": \"");
+    put_text(text, n);
+    if (err) {
+        put(": errno ");
+        put_long(err);
+    }
+    put("\"}");
+    return send_answer();
+}
+
+static long length(const char *s) {
+    long n = 0;
+    while (s[n])
+        n++;
+    return n;
+}
+
+int ib_net_baseline(void) {
+    loop.net_len = net_state(loop.net);
+    return loop.net_len ? 0 : 27;
+}
+
+int ib_loop_start(int ctl, int keeper, int home, const char *reaper, char *msg, long room) {
+    loop.ctl = ctl;
+    loop.keeper = keeper;
+    loop.home = home;
+    for (int i = 0; (loop.reaper_path[i] = reaper[i]); i++) /* the caller's string is its own */
+        if (i == sizeof loop.reaper_path - 1)
+            return 36; /* ENAMETOOLONG */
+    loop.msg = msg;
+    loop.room = room;
+    loop.autogroup_len = read_file("/proc/self/autogroup", loop.autogroup, sizeof loop.autogroup);
+    if (proc_top(&loop.proc))
+        return 2; /* ENOENT */
+    return ib_net_baseline();
+}
+
+/* REAPER up, as pid 1 of the pid namespace just made (the zygote's next child's): its pid, or -errno. */
+static long start_reaper(void) {
+    int ready[2];
+    unsigned long all = ~0UL;
+    static char stack[16384] __attribute__((aligned(16)));
+    struct spawn s = {-1, {loop.reaper_path, "reap", 0}, {0}, 0};
+    long r = SYS(pipe2, ready, O_CLOEXEC), pid;
+    if (r)
+        return r;
+    s.ready_w = ready[1];
+    SYS(rt_sigprocmask, SIG_SETMASK, &all, &s.mask, 8);
+    pid = ib_clone(CLONE_VM | CLONE_VFORK | SIGCHLD, stack + sizeof stack, reaper_child, &s);
+    SYS(rt_sigprocmask, SIG_SETMASK, &s.mask, 0, 8);
+    SYS(close, ready[1]);
+    if (pid > 0) {
+        struct pollfd p = {ready[0], POLLIN, 0};
+        struct __kernel_timespec wait = {START_TIMEOUT_MS / 1000, 0};
+        char c = 0;
+        if (SYS(ppoll, &p, 1, &wait, 0, 8) != 1 || SYS(read, ready[0], &c, 1) != 1 || c != 'r') {
+            SYS(kill, pid, SIGKILL);
+            SYS(wait4, pid, 0, 0, 0);
+            pid = -10; /* ECHILD: it did not start */
+        }
+    }
+    SYS(close, ready[0]);
+    return pid;
+}
+
+int ib_next(struct ib_job *job) {
+    for (;;) {
+        char control[64] __attribute__((aligned(8)));
+        struct iovec_ iov = {loop.msg, loop.room};
+        struct msghdr_ mh = {0, 0, &iov, 1, control, sizeof control, 0};
+        long n = SYS(recvmsg, loop.ctl, &mh, MSG_CMSG_CLOEXEC);
+        int nfds = 0, fds[8];
+        if (n == -4)
+            continue;
+        for (unsigned long at = 0; n >= 0 && at + sizeof(struct cmsghdr_) <= mh.controllen;) {
+            struct cmsghdr_ *c = (struct cmsghdr_ *)(control + at);
+            if (c->len < sizeof *c || at + c->len > mh.controllen)
+                break;
+            if (c->level == SOL_SOCKET && c->type == SCM_RIGHTS)
+                for (unsigned long k = 0; k < (c->len - sizeof *c) / 4 && nfds < 8; k++)
+                    fds[nfds++] = ((int *)(c + 1))[k];
+            at += (c->len + 7) & ~7UL;
+        }
+        if (n <= 0) {
+            for (int i = 0; i < nfds; i++)
+                SYS(close, fds[i]);
+            return IB_END;
+        }
+        if (loop.keeper >= 0) { /* the pid keeper puts the namespace's counter back (zygote.py) */
+            char c = 0;
+            if (SYS(sendto, loop.keeper, "r", 1, 0, 0, 0) != 1 || SYS(recvfrom, loop.keeper, &c, 1, 0, 0, 0) != 1 ||
+                c != 'k') {
+                for (int i = 0; i < nfds; i++)
+                    SYS(close, fds[i]);
+                answer_error("its pid keeper is gone", length("its pid keeper is gone"), 0);
+                return IB_END;
+            }
+        }
+        long err = 0;
+        const char *what = "";
+        int failed[2] = {-1, -1};
+        if (nfds != 4 || n < HEADER) {
+            what = "a job comes with 4 descriptors and its header";
+            err = 22;
+        } else if ((err = -SYS(pipe2, failed, O_CLOEXEC))) {
+            what = "pipe";
+        } else if ((err = -SYS(unshare, CLONE_NEWPID))) {
+            what = "unshare the job's pid namespace";
+        } else {
+            long pid = start_reaper();
+            if (pid < 0) {
+                err = -pid;
+                what = "start its init (REAPER)";
+                if (SYS(setns, loop.home, CLONE_NEWPID)) {
+                    answer_error(what, length(what), err);
+                    return IB_END;
+                }
+            } else {
+                loop.reaper = pid;
+                loop.failed_r = failed[0];
+                loop.timeout_us = 0;
+                for (int k = 7; k >= 0; k--)
+                    loop.timeout_us = loop.timeout_us << 8 | (unsigned char)loop.msg[k];
+                job->msg_len = n - HEADER;
+                for (int i = 0; i < 4; i++)
+                    job->fds[i] = fds[i];
+                job->failed_w = failed[1];
+                return IB_FORK;
+            }
+        }
+        for (int i = 0; i < nfds; i++)
+            SYS(close, fds[i]);
+        for (int i = 0; i < 2; i++)
+            if (failed[i] >= 0)
+                SYS(close, failed[i]);
+        if (answer_error(what, length(what), err))
+            return IB_END;
+    }
+}
+
+int ib_answer(const char *retire) {
+    if (retire) {
+        put(", \"retire\": \"");
+        put_text(retire, length(retire));
+        put("\"");
+    }
+    put("}");
+    if (send_answer())
+        return IB_END;
+    return retire ? IB_END : IB_NEXT;
+}
+
+int ib_wait(struct ib_job *job, long pid) {
+    int home = SYS(setns, loop.home, CLONE_NEWPID) == 0, status = 0, timed_out = 0;
+    struct rusage usage;
+    long deadline = loop.timeout_us < 0 ? -1 : now_us() + loop.timeout_us;
+    char failed[4096];
+    long failed_len;
+    for (int i = 0; i < 4; i++)
+        SYS(close, job->fds[i]);
+    SYS(close, job->failed_w);
+    usage.ru_maxrss = 0;
+    while (pid > 0) {
+        unsigned long chld = 1UL << (SIGCHLD - 1);
+        long got = SYS(wait4, pid, &status, WNOHANG, &usage), left = 60000000L;
+        if (got == pid)
+            break;
+        if (got < 0 && got != -4) { /* never: the zygote leaves without an answer, as warm.py then assumes */
+            SYS(kill, loop.reaper, SIGKILL);
+            SYS(wait4, loop.reaper, 0, 0, 0);
+            return IB_END;
+        }
+        if (deadline >= 0 && (left = deadline - now_us()) <= 0) {
+            timed_out = 1;
+            SYS(kill, loop.reaper, SIGKILL); /* pid 1 of the job's namespace: the whole job */
+            SYS(wait4, pid, &status, 0, &usage);
+            break;
+        }
+        if (left > 60000000L)
+            left = 60000000L;
+        struct __kernel_timespec t = {left / 1000000, left % 1000000 * 1000};
+        SYS(rt_sigtimedwait, &chld, 0, &t, 8);
+    }
+    SYS(kill, loop.reaper, SIGKILL); /* what the job's process left running */
+    SYS(wait4, loop.reaper, 0, 0, 0); /* returns once every process of the namespace is gone */
+    failed_len = SYS(read, loop.failed_r, failed, sizeof failed);
+    SYS(close, loop.failed_r);
+    if (pid < 0) {
+        answer_error("fork the job's process", length("fork the job's process"), -pid);
+        return home ? IB_NEXT : IB_END;
+    }
+    if (failed_len > 0) {
+        answer_error(failed, failed_len, 0);
+        return home ? IB_NEXT : IB_END;
+    }
+    loop.answer_len = 0;
+    put("{\"exit_code\": ");
+    if ((status & 0x7f) == 0)
+        put_long((status >> 8) & 0xff);
+    else
+        put("null");
+    put(", \"signal\": ");
+    if ((status & 0x7f) && (status & 0x7f) != 0x7f)
+        put_long(status & 0x7f);
+    else
+        put("null");
+    put(timed_out ? ", \"timed_out\": true, \"peak_memory_kb\": " : ", \"timed_out\": false, \"peak_memory_kb\": ");
+    put_long(usage.ru_maxrss);
+    /* The job reniced the zygote through /proc/ZYGOTE/autogroup (no later job slowed), or set the times of
+       the top of its /proc, every job's where it is masked (kernel backend): a count the next job read (red
+       team). The zygote's run then ends, and its init with it. */
+    const char *retire = !home ? "it could not return to its own pid namespace" :
+                         !same_autogroup() ? "a job changed the zygote's scheduling group" :
+                         !same_proc_top() ? "a job changed the times of /proc" : 0;
+    if (!retire) {
+        long n = net_state(loop.now);
+        if (!n || n != loop.net_len || !same(loop.now, loop.net, n))
+            return IB_NETWORK;
+    }
+    return ib_answer(retire);
+}
+
