@@ -97,7 +97,6 @@ import os
 import stat
 import struct
 import sys
-import time
 
 NEWPID, NEWNET = 0x20000000, 0x40000000
 SIOCSIFFLAGS, IFF_UP, IFF_LOOPBACK, IFF_RUNNING = 0x8914, 0x1, 0x8, 0x40
