@@ -137,7 +137,8 @@ def check(r, what):
 
 def root_options(layers, scratch_kb):
     """ROOT_LIB's mount options for a job's root: the overlay's, then the scratch tmpfs's, /tmp's and
-    /dev/shm's. Made by the zygote before the fork: in the job, every object made is a page copied."""
+    /dev/shm's. Made in the job's process, which alone reads the job's message (the zygote's loop is
+    ROOT_LIB's and parses none of it); made by the zygote, its few objects would be the same pages written."""
     layer, tmp, shm = ("size=%dk,nr_inodes=%d" % (kb - kb // 8, max(16, kb // 8)) for kb in scratch_kb)
     return (ctypes.c_char_p * 4)(("lowerdir=%s,upperdir=/tmp/u,workdir=/tmp/w,userxattr" % layers).encode(),
                                  ("mode=755," + layer).encode(), ("mode=1777," + tmp).encode(),

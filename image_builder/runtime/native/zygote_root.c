@@ -109,10 +109,15 @@ static long close_others(const int *keep, int nkeep) {
     }
 }
 
+static long length(const char *s) {
+    long n = 0;
+    while (s[n])
+        n++;
+    return n;
+}
+
 static long write_file(const char *path, const char *text) {
-    int len = 0;
-    while (text[len])
-        len++;
+    long len = length(text);
     long fd = SYS(openat, AT_FDCWD, path, O_WRONLY | O_CLOEXEC);
     if (fd < 0)
         return fd;
@@ -553,13 +558,6 @@ static int answer_error(const char *text, long n, long err) {
     }
     put("\"}");
     return send_answer();
-}
-
-static long length(const char *s) {
-    long n = 0;
-    while (s[n])
-        n++;
-    return n;
 }
 
 int ib_net_baseline(void) {
