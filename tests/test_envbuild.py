@@ -691,3 +691,34 @@ def test_an_instance_set_takes_only_the_rows_asked_for(tmp_path):
         path.write_text(head + f"    only: {only}\n")
         with pytest.raises(CatalogError, match=re.escape(needle)):
             load(path)
+
+
+DEEP_SCRIPT = """#!/bin/sh
+set -eu
+mkdir -p /opt/deep
+cd /opt/deep
+i=0
+while [ $i -lt 2000 ]; do mkdir d; cd d; i=$((i+1)); done
+echo bottom > f
+"""
+
+
+def test_a_script_that_makes_a_2000_deep_tree_fails_in_one_line_and_the_next_build_recovers(tmp_path, tiny_catalog,
+                                                                                           registries):
+    """A build script (a third party's code) makes a tree deeper than image-builder walks. Before: the
+    build died in RecursionError (clamping the tree's times, or removing the tree it left), a traceback,
+    and so did every later build of the store, which removes that tree first."""
+    (tmp_path / "scripts/make.sh").write_text(DEEP_SCRIPT)
+    args = ("build", str(tiny_catalog), "--store", str(tmp_path / "store"), "--cache-dir", str(tmp_path / "c"),
+            "--ca-cert", str(registries.tls.cert))
+    r = run_cli(*args)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("failed: environment tiny:") and "levels deep" in last, r.stderr[-3000:]
+    (tmp_path / "scripts/make.sh").write_text(SCRIPT)
+    r = run_cli(*args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sif_files(built_image(tmp_path / "store", "tiny"), tmp_path, "etc/built-by")["etc/built-by"] == \
+        "greeting=hello world\n"
+    assert not (tmp_path / "store/failed/envs/tiny").exists(), "the failed build's deep tree is still there"

@@ -11,12 +11,13 @@ import os
 import resource
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from image_builder.oci.layers import LayerError, flatten
-from image_builder.oci.trees import MAX_DEPTH, TreeError, walk
+from image_builder.oci.trees import MAX_DEPTH, TreeError, remove, walk
 from image_builder.pack.overlay import normalise_upper
 from image_builder.tasks import DatasetError, load_tasks, read_lines
 from tests.conftest import DATA, ROOT, run_cli
@@ -157,6 +158,60 @@ def test_normalise_upper_walks_a_tree_within_the_bound_to_its_bottom(tmp_path):
     assert stats.whiteouts == 1 and os.path.lexists(os.path.join(bottom, "gone"))
     assert not os.path.lexists(os.path.join(bottom, ".wh.gone")), "the fuse-overlayfs whiteout became a 0:0 device"
     assert [d for d, _, _ in walk(upper, topdown=False)][0] == bottom, "bottom-up: the deepest first"
+
+
+def _hostile_tree(top: Path, outside: Path) -> None:
+    """A 3000-deep tree (past the recursion limit and PATH_MAX) whose levels hold a file, a fifo and a
+    symlink to `outside`; a level at mode 000 and the bottom read-only, as a build or a sandbox leaves them."""
+    _deep_tree(top, 3000)
+    fd, level, middle = os.open(top, os.O_RDONLY | os.O_DIRECTORY), 0, -1
+    while True:
+        if level % 500 == 0:
+            os.close(os.open("f", os.O_WRONLY | os.O_CREAT, 0o400, dir_fd=fd))
+            os.mkfifo("p", dir_fd=fd)
+            os.symlink(str(outside), "out", dir_fd=fd)
+        if "d" not in os.listdir(fd):
+            break
+        child = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        if level == 1500:
+            middle = os.dup(child)
+        os.close(fd)
+        fd, level = child, level + 1
+    os.fchmod(fd, 0o500)
+    os.close(fd)
+    os.fchmod(middle, 0)
+    os.close(middle)
+
+
+@pytest.mark.parametrize("user", ["root", "nobody"])
+def test_remove_takes_a_3000_deep_tree_of_any_mode_and_follows_no_symlink(public_dir, user):
+    """What a build script, an agent or a candidate leaves must go, at any depth (before: shutil.rmtree,
+    RecursionError; remove_tree in every build after a failed one, the holder's rootless layers, the
+    extract backend's /tmp), and nothing a symlink in it points to."""
+    tmp_path = public_dir / f"remove-{user}"
+    tmp_path.mkdir()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("kept\n")
+    top = tmp_path / "tree"
+    if user == "root":
+        _hostile_tree(top, outside)
+        remove(top)
+    else:
+        os.chown(tmp_path, 65534, 65534)  # the tree's parent is the user's: it makes the tree and removes it
+        code = ("import sys; from pathlib import Path; sys.path[:0] = [sys.argv[1]]; "
+                "from tests.test_hostile_inputs import _hostile_tree; from image_builder.oci.trees import remove; "
+                "top = Path(sys.argv[2]); _hostile_tree(top, Path(sys.argv[3])); remove(top)")
+        r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code,
+                            str(ROOT), str(top), str(outside)], capture_output=True, text=True, cwd="/")
+        assert r.returncode == 0, r.stderr[-2000:]
+    assert not os.path.lexists(top)
+    assert (outside / "keep").read_text() == "kept\n"
+    remove(top)  # gone already: no error
+    (tmp_path / "fifo").parent.mkdir(exist_ok=True)
+    os.mkfifo(tmp_path / "fifo")
+    remove(tmp_path / "fifo")
+    assert not os.path.lexists(tmp_path / "fifo")
 
 
 def test_diff_trees_copies_a_new_tree_with_a_fifo_as_it_is(tmp_path):

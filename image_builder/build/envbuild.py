@@ -33,6 +33,7 @@ from image_builder.oci.layers import flatten
 from image_builder.oci.local import is_local
 from image_builder.oci.pull import pull
 from image_builder.oci.registry import RegistryOptions
+from image_builder.oci.trees import walk
 from image_builder.pack.overlay import normalise_upper
 from image_builder.pack.sif import SifError, partition_offset, read_sif, write_sif, write_singularity_env
 from image_builder.pack.squashfs import SquashOptions, list_paths, pack, source_date_epoch
@@ -92,7 +93,7 @@ class EnvBuild:
 def tree_digest(root: Path) -> str:
     """Names, modes and contents of a directory tree, in a stable order."""
     h = hashlib.sha256()
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, dirnames, filenames in walk(root):
         dirnames.sort()
         for name in sorted(filenames):
             p = Path(dirpath) / name
@@ -161,19 +162,24 @@ def deffile(spec: EnvironmentSpec, base: str, digest: str, env: dict[str, str], 
     return "\n".join(lines) + "\n"
 
 
-def clamp_mtimes(root: Path, epoch: int) -> None:
+def clamp_mtimes(root: Path, epoch: int | None) -> None:
     """Files newer than SOURCE_DATE_EPOCH get it as mtime (like tar --clamp-mtime).
 
     Unlike stamping every file, this keeps the base's timestamp-checked .pyc
     files valid; builds run with SOURCE_DATE_EPOCH set, so pip writes
-    hash-checked .pyc files that do not care about mtimes.
+    hash-checked .pyc files that do not care about mtimes. Walked with or without
+    an epoch: a tree past oci.trees' bounds (a build script's) is refused here, in
+    one line (TreeError), not by the tools after us.
     """
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, dirnames, filenames in walk(root):
+        if epoch is None:
+            continue
         for name in dirnames + filenames:
             p = os.path.join(dirpath, name)
             if os.lstat(p).st_mtime > epoch:
                 os.utime(p, (epoch, epoch), follow_symlinks=False)
-    os.utime(root, (epoch, epoch))
+    if epoch is not None:
+        os.utime(root, (epoch, epoch))
 
 
 @dataclass(frozen=True)
@@ -268,10 +274,9 @@ def _build_overlay(plan: EnvPlan, parent: EnvBuild, work: Path, env: dict[str, s
 
 
 def clamp_to_epoch(tree: Path) -> None:
-    """clamp_mtimes to SOURCE_DATE_EPOCH when it is set."""
-    epoch = source_date_epoch()
-    if epoch is not None:  # the same inputs make the same bytes
-        clamp_mtimes(tree, epoch)
+    """clamp_mtimes to SOURCE_DATE_EPOCH when it is set (the same inputs make the same bytes); the tree's
+    bounds checked either way."""
+    clamp_mtimes(tree, source_date_epoch())
 
 
 def replace_seconds(result: EnvBuild, t0: float, built: bool = True) -> EnvBuild:

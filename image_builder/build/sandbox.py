@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from image_builder.errors import ImageBuilderError
+from image_builder.oci.trees import walk
 from image_builder.runtime.execution import DEFAULT_PATH, Bind
 from image_builder.runtime.extract import remove_proot_leftovers
 from image_builder.runtime.mounts import DEV_NODES, PROC_MASKED, PROC_READONLY, squashfuse
@@ -352,7 +353,7 @@ def hand_over(tree: Path) -> None:
 
 
 def _walk(tree: Path):
-    for dirpath, dirnames, filenames in os.walk(tree):
+    for dirpath, dirnames, filenames in walk(tree):
         for name in (*dirnames, *filenames):
             yield os.path.join(dirpath, name)
 

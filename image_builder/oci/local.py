@@ -30,6 +30,7 @@ from .manifest import INDEX_TYPES, MANIFEST_TYPES, ManifestError, Platform, medi
     select_platform
 from .image import Layer, PulledImage
 from .registry import RegistryError
+from .trees import walk
 
 SCHEMES = ("oci:", "oci-archive:", "docker-archive:", "tar:", "dir:")
 REF_NAME = "org.opencontainers.image.ref.name"
@@ -186,7 +187,7 @@ def _from_docker_archive(ref: str, source: _Source, pick: str | None, cache: Blo
 def _tar_of_directory(root: Path, dest: IO[bytes]) -> None:
     """A tar of a root filesystem directory in a stable order (numeric owners, modes and times kept)."""
     with tarfile.open(fileobj=dest, mode="w|", format=tarfile.PAX_FORMAT) as tar:
-        for dirpath, dirnames, filenames in os.walk(root):
+        for dirpath, dirnames, filenames in walk(root):
             dirnames.sort()
             for name in sorted(dirnames + filenames):
                 path = Path(dirpath) / name

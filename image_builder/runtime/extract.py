@@ -4,6 +4,7 @@ under proot (see ExtractSession for what that cannot do)."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import marshal
 import os
@@ -12,6 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from image_builder.oci.trees import remove
 from image_builder.pack.squashfs import LayerListing, list_layer
 from .execution import Bind, RunRequest, RunResult
 from .mounts import RunnerError, hold_tree
@@ -24,21 +26,6 @@ def _layer_key(image: Path, offset: int) -> str:
     st = os.stat(image)
     ident = f"{os.path.realpath(image)}:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{offset}"
     return hashlib.sha256(ident.encode()).hexdigest()[:24]
-
-
-def _make_writable_rmtree(path: Path) -> None:
-    """rmtree that also gets through directories extracted without write permission."""
-    import shutil
-    import stat
-
-    def retry(func, p, _exc):
-        for d in (os.path.dirname(p), p):
-            if os.path.isdir(d) and not os.path.islink(d):
-                os.chmod(d, os.stat(d).st_mode | stat.S_IRWXU)
-        func(p)
-
-    if os.path.lexists(path):
-        shutil.rmtree(path, onerror=retry)
 
 
 @dataclass
@@ -78,7 +65,7 @@ def _extract(final: Path, image: Path, offset: int) -> None:
 
     listing = list_layer(image, offset)
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
-    _make_writable_rmtree(tmp)
+    remove(tmp)
     tmp.mkdir(parents=True)
     try:
         specials = [p for p, k in listing.kinds.items() if k in "bcps"]  # not creatable unprivileged
@@ -95,9 +82,9 @@ def _extract(final: Path, image: Path, offset: int) -> None:
         try:
             tmp.rename(final)
         except OSError:  # another process made it meanwhile
-            _make_writable_rmtree(tmp)
+            remove(tmp)
     except BaseException:
-        _make_writable_rmtree(tmp)
+        remove(tmp)
         raise
 
 
@@ -132,7 +119,7 @@ def _drop_replaced(cache: Path) -> None:
             continue
         finally:
             os.close(fd)
-        _make_writable_rmtree(doomed)
+        remove(doomed)
 
 
 def _inside_tree(root: Path, rel: str) -> Path:
@@ -171,13 +158,6 @@ def _resolve_in(root: Path, path: str) -> Path | None:
     return None  # a symlink loop
 
 
-def _remove(path: Path) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        _make_writable_rmtree(path)
-    elif os.path.lexists(path):
-        path.unlink()
-
-
 def apply_extracted_layer(root: Path, tree: Path, listing: LayerListing) -> None:
     """Put an extracted layer over `root` as overlayfs would show it: a path whose type
     changes is replaced, opaque directories lose their lower contents, whiteouts delete."""
@@ -189,14 +169,14 @@ def apply_extracted_layer(root: Path, tree: Path, listing: LayerListing) -> None
             continue
         dest = _inside_tree(root, rel)
         if os.path.lexists(dest) and (kind == "d") != (os.path.isdir(dest) and not os.path.islink(dest)):
-            _remove(dest)
+            remove(dest)
     for rel in listing.opaque:
         dest = _inside_tree(root, rel)
         if os.path.isdir(dest) and not os.path.islink(dest):
             for child in os.listdir(dest):
-                _remove(dest / child)
+                remove(dest / child)
     for rel in listing.whiteouts:
-        _remove(_inside_tree(root, rel))
+        remove(_inside_tree(root, rel))
     # --remove-destination: never write through a symlink the lower layer left there.
     r = subprocess.run(["cp", "-a", "--reflink=auto", "--remove-destination", f"{tree}/.", f"{root}/"],
                        capture_output=True)
@@ -234,8 +214,6 @@ def remove_proot_leftovers() -> None:
     suite, until /tmp held 256 (Debian's proot 5.1 takes no other folder: it reads no PROOT_TMP_DIR).
     PID is that of the proot that made the name, alive while it runs, so a PID with no process is a dead
     proot's (a new process with that PID makes names of its own, which are not touched)."""
-    import shutil
-
     uid = os.geteuid()
     try:
         entries = list(os.scandir("/tmp"))
@@ -249,10 +227,7 @@ def remove_proot_leftovers() -> None:
         try:
             if entry.stat(follow_symlinks=False).st_uid != uid or os.path.exists(f"/proc/{pid}"):
                 continue
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path, ignore_errors=True)
-            else:
-                os.unlink(entry.path)
+            remove(entry.path)
         except OSError:
             pass
 
@@ -343,7 +318,7 @@ class ExtractSession(Session):
             pid = stale.name.split("-")[0]
             if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
                 _kill_running_from(stale)
-                _make_writable_rmtree(stale)
+                remove(stale)
         remove_proot_leftovers()
         try:
             offset, _size = partition_offset(layers.env_sif)
@@ -392,7 +367,6 @@ class ExtractSession(Session):
         return any(_resolve_in(self._root, os.path.join(job["workdir"], d, name)) is not None for d in dirs)
 
     def run(self, request: RunRequest) -> RunResult:
-        import shutil
         import tempfile
 
         if not request.network:
@@ -404,7 +378,7 @@ class ExtractSession(Session):
         for path, data in job["files"].items():
             dest = _inside_tree(self._root, path.strip("/"))
             dest.parent.mkdir(parents=True, exist_ok=True)
-            _remove(dest)
+            remove(dest)
             dest.write_bytes(data)
         if not self._found(job):
             msg = f"image-builder: cannot run {job['argv'][0]!r}: command not found\n".encode()
@@ -418,7 +392,8 @@ class ExtractSession(Session):
         try:
             return _run_proot([*limits, "--", *self._proot(self._root, job, tmp)], request, job["env"], self._dir)
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                remove(tmp)  # the job's /tmp: a candidate's tree, of any depth
 
     def shell(self, argv: tuple[str, ...] = ("/bin/sh",), persist: Path | None = None, *,
               network: bool = False) -> int:
@@ -437,7 +412,7 @@ class ExtractSession(Session):
 
     def close(self) -> None:
         _kill_running_from(self._dir)
-        _make_writable_rmtree(self._dir)
+        remove(self._dir)
         self._release_layers()
 
     def _release_layers(self) -> None:

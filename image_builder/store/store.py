@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import os
 import socket
-import stat
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from image_builder.errors import ImageBuilderError
+from image_builder.oci.trees import remove
 from .ids import MAX_FILE_NAME, file_name, id_problem, shown_id
 from .index import INDEX_NAME, Index, IndexError_, index_stamp, lookup, read_index
 
@@ -40,34 +40,12 @@ def _path_name(ident: str) -> str:
 
 
 def remove_tree(path: Path) -> None:
-    """rmtree that also removes read-only directories a rootless build left behind (overlayfs leaves its
-    work directory's `work/` at mode 000, which its unprivileged owner cannot even list)."""
-    def make_writable_and_retry(func, p, exc):
-        # Gone meanwhile, before or during this retry: another process removes the same tree (a killed
-        # build's sandbox still cleaning up its staging while the next build removes it as dead: the next
-        # build failed).
-        if isinstance(exc[1], FileNotFoundError):
-            return
-        try:
-            parent = os.path.dirname(p)
-            os.chmod(parent, os.stat(parent).st_mode | stat.S_IRWXU)
-            if os.path.isdir(p) and not os.path.islink(p):
-                os.chmod(p, os.stat(p).st_mode | stat.S_IRWXU)
-                if func not in (os.rmdir, os.unlink):  # it could not be opened or listed: now it can
-                    shutil.rmtree(p, onerror=make_writable_and_retry)
-                    return
-            func(p)
-        except FileNotFoundError:
-            pass
-
-    import shutil  # not on the run path
-
+    """rm -rf `path`, of any depth (what a build script or a sandbox left), read-only directories too
+    (overlayfs leaves its work directory's `work/` at mode 000, which its unprivileged owner cannot even
+    list): oci.trees.remove."""
     if path.name in ("", ".."):  # "", ".", "/" or "x/..": never a tree of ours, always a caller's bug
         raise ImageBuilderError(f"refusing to remove {str(path)!r}")
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    elif path.exists():
-        shutil.rmtree(path, onerror=make_writable_and_retry)
+    remove(path)
 
 
 def builder_mark() -> str:
