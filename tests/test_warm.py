@@ -18,7 +18,7 @@ from image_builder.graders.grading import StoreExecutors
 from image_builder.runtime.backends import open_session
 from image_builder.runtime.execution import RunRequest
 from image_builder.runtime.session import InstanceLayers
-from image_builder.runtime.warm import LAYERS_AT, WarmPool
+from image_builder.runtime.warm import LAYERS_AT, WarmPool, worker_pool
 from image_builder.store.store import Store
 from image_builder.tasks import AssertTask
 from tests.support.servers import LOCALHOST_SERVER
@@ -556,7 +556,7 @@ from pathlib import Path
 from image_builder.runtime.backends import open_session
 from image_builder.runtime.execution import RunRequest
 from image_builder.runtime.session import InstanceLayers
-from image_builder.runtime.warm import LAYERS_AT, WarmPool
+from image_builder.runtime.warm import LAYERS_AT, WarmPool, worker_pool
 from image_builder.store.store import Store
 PROGRAM = %r
 resolved = Store.open(Path(sys.argv[1])).resolve("512")
@@ -629,3 +629,20 @@ def test_jobs_over_a_masked_proc_leave_nothing_in_the_kernel_log(pool):
     finally:
         os.close(kmsg)
     assert not [line for line in logged if "too revealing" in line], logged
+
+
+def test_a_job_runs_on_the_cpu_its_sender_keeps_to_and_worker_pools_spread_their_threads(pool):
+    """worker_pool's threads keep to one CPU each, in turn (as many threads as CPUs); a job sent from such a
+    thread runs there (zygote_root.c keep_to: the zygote moves before REAPER and the fork), and a job sent
+    from a thread free to run anywhere runs anywhere the zygote started with (the zygote moves back)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    where = "import os\nprint(sorted(os.sched_getaffinity(0)))"
+    with worker_pool(len(cpus)) as workers:
+        kept = list(workers.map(lambda _: (sorted(os.sched_getaffinity(0)), job(pool, where)[1].strip()),
+                                range(4 * len(cpus))))
+    assert sorted({tuple(thread) for thread, _ in kept}) == [(c,) for c in cpus], kept
+    assert all(out == str(thread) for thread, out in kept), kept
+    assert job(pool, where)[1].strip() == str(cpus), "a job from an unpinned thread stayed on the last CPU"
+    if len(cpus) > 1:
+        with worker_pool(len(cpus) - 1) as fewer:
+            assert fewer.submit(lambda: sorted(os.sched_getaffinity(0))).result() == cpus

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
 
 from image_builder.errors import ImageBuilderError
 from image_builder.runtime.execution import Executor
+from image_builder.runtime.warm import worker_pool
 from image_builder.tasks import AssertTask, BadTask, RepoTask, StdioTask, Task
 from .assert_cases import grade_asserts
 from .options import GradeOptions
@@ -101,5 +101,5 @@ def grade_predictions(tasks: Iterable[Task], predictions: Iterable[Prediction], 
                       options: GradeOptions = GradeOptions(), workers: int = 2) -> list[GradeResult]:
     """One result per prediction, in the predictions' order; tasks run `workers` at a time."""
     index = TaskIndex(tasks)
-    with ThreadPoolExecutor(max_workers=workers) as pool:
+    with worker_pool(workers) as pool:
         return list(pool.map(lambda p: grade_prediction(p, index, executor_for, options), predictions))

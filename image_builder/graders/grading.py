@@ -18,7 +18,6 @@ import os
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -28,7 +27,7 @@ from image_builder.runtime.backends import open_session
 from image_builder.runtime.execution import Executor, RunRequest, RunResult
 from image_builder.runtime.mounts import RunnerError
 from image_builder.runtime.session import Backend, InstanceLayers, Session
-from image_builder.runtime.warm import LAYERS_AT, WarmPool, WarmPools
+from image_builder.runtime.warm import LAYERS_AT, WarmPool, WarmPools, worker_pool
 from image_builder.store.files import atomic_write
 from image_builder.store.store import Store, UnknownInstance
 from image_builder.store.ids import file_name
@@ -232,7 +231,7 @@ def grade_to_file(tasks: Iterable[Task], predictions: list[Prediction], executor
     _drop_partial_line(output)
     lock = threading.Lock()
     stopping = threading.Event()
-    with open(output, "a") as out, ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+    with open(output, "a") as out, worker_pool(max(1, workers)) as pool:
         def one(prediction: Prediction) -> None:
             result = grade_prediction(prediction, index, executor_for, options)
             with lock:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from image_builder.runtime.warm import worker_pool
 from image_builder.tasks import RepoTask, Task
 from .grade import ExecutorFor, grade
 from .options import GradeOptions
@@ -84,7 +84,7 @@ def quality_check_all(tasks: list[Task], references: dict[str, str], executor_fo
             on_verdict(verdict)
         return verdict
 
-    with ThreadPoolExecutor(max_workers=workers) as pool:
+    with worker_pool(workers) as pool:
         return list(pool.map(check, [t for t in tasks if is_mutation(t)]))
 
 

@@ -48,9 +48,9 @@ import json
 import logging
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 from image_builder.runtime.execution import Executor
+from image_builder.runtime.warm import worker_pool
 from image_builder.tasks import BadTask, Task, parse_ground_truth
 from .errors import GraderError
 from .grade import grade
@@ -229,7 +229,7 @@ def compute_score_batch(data_sources, solution_strs, ground_truths, extra_infos=
     workers = min(workers or DEFAULT_WORKERS, n)
     if workers <= 1:
         return [_score_row(*row) for row in rows]
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="image-builder-reward") as pool:
+    with worker_pool(workers, thread_name_prefix="image-builder-reward") as pool:
         return list(pool.map(lambda row: _score_row(*row), rows))
 
 

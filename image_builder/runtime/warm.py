@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import array
 import functools
+import itertools
 import json
 import marshal
 import os
@@ -32,6 +33,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 
 from .execution import Executor, RunRequest, RunResult
@@ -50,6 +52,36 @@ ZYGOTE_HEADROOM_MB = 64  # the zygote's run holds the job and the zygote: its me
 DEFAULT_SCRATCH_MB = 4096  # as native/init.c: the three tmpfs together, for a job without a memory limit
 SCRATCH_PART = (2, 4, 4)
 MAX_POOLS = 8  # an instance's pools kept (by program, environment, memory limit: a server's clients choose them)
+
+
+def thread_cpu() -> int:
+    """The one CPU the calling thread keeps to (worker_pool's threads, and the threads they start), else -1: a
+    job sent from it runs there (zygote_root.c keep_to)."""
+    cpus = os.sched_getaffinity(0)
+    return next(iter(cpus)) if len(cpus) == 1 else -1
+
+
+def worker_pool(workers: int, **kw) -> ThreadPoolExecutor:
+    """A thread pool whose threads each keep to one of the process's CPUs, in turn, where they are at least as
+    many as the CPUs (so none of the process's CPUs is left out; a Slurm job's are its own): the warm jobs a
+    thread sends run on its CPU, and a case's candidate, its evaluator and the thread waiting on both hand over
+    to each other there, without waking another CPU between them. Fewer threads than CPUs keep to none: on a
+    node shared with others, which of its CPUs are free is not this process's to know. Measured (MBPP, 40 tasks
+    x3, this 2-CPU VM): a grader alone on one CPU 143 cases/s, one of 2 workers 183-199 (bare python3 gets
+    2.1x from the second CPU; we got 1.4x), two of 1 worker each kept to a CPU 201-253 together; A/B of this
+    pool, 3 rounds alternated: 232-239 -> 253-298 cases/s."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if workers < len(cpus):
+        return ThreadPoolExecutor(max_workers=workers, **kw)
+    turn = itertools.cycle(cpus)
+    lock = threading.Lock()
+
+    def keep_to_one() -> None:
+        with lock:
+            cpu = next(turn)
+        os.sched_setaffinity(0, {cpu})
+
+    return ThreadPoolExecutor(max_workers=workers, initializer=keep_to_one, **kw)
 
 
 class WarmUnavailable(Exception):
@@ -154,7 +186,8 @@ class Zygote:
                 given.append(memfd_with(files))
                 t0 = time.monotonic()
                 timeout = -1 if request.timeout is None else int(request.timeout * 1e6)  # zygote.py HEADER
-                self._ctl.sendmsg([struct.pack("<q", timeout) + marshal.dumps(job, 4)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array(
+                self._ctl.sendmsg([struct.pack("<qq", timeout, thread_cpu()) + marshal.dumps(job, 4)],
+                                  [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array(
                     "i", [given[0], stdout, stderr, given[1]]))])
             except OSError as e:
                 raise WarmUnavailable(f"the zygote took no job: {e}") from None

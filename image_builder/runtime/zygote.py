@@ -74,7 +74,7 @@ zygote is another run, in another pid namespace.
 Control protocol, on descriptor 0 (a SOCK_SEQPACKET socket; descriptors with SCM_RIGHTS), what it sends
 JSON, what it takes a header and marshal's format (version 4; warm.py writes it, no job ever does):
   <- {"ready": true} once, when it takes jobs
-  -> the job's timeout in microseconds (int64, little-endian; < 0: none), then
+  -> the job's timeout in microseconds and the CPU it keeps to (int64s, little-endian; < 0: none), then
      {"argv": [...] (after PROGRAM), "program": path (the job's, without PROGRAM), "workdir": str,
       "memory_mb": n|null, "max_processes": n, "scratch_kb": [layer, tmp, shm]
       (each tmpfs's share of the memory: init.c's scratch_sizes)} + stdin, stdout, stderr, the
@@ -111,7 +111,7 @@ ROOT_LIB = "/tmp/.ib-zygote/root.so"  # native/zygote_root.c, shipped beside thi
 PRELOAD = ("re", "heapq", "bisect", "math", "copy", "functools")
 ENTRY = "zygote_job"  # a PROGRAM that defines it has its top level run once, in the zygote (the docstring)
 IB_END, IB_FORK, IB_NEXT, IB_NETWORK = range(4)  # ROOT_LIB's loop (zygote_root.c)
-HEADER = 8  # a job's message starts with its timeout for ROOT_LIB's loop (zygote_root.c HEADER)
+HEADER = 16  # a job's message starts with its timeout and its CPU, ROOT_LIB's loop's (zygote_root.c HEADER)
 PROC_MASKED = False  # masks are mounted over parts of the zygote's /proc (serve tells)
 ETC_MODE = 0  # the layers' /etc's mode where each job's root gets Docker's /etc/hosts (serve tells; 0: none)
 WARM_UP = """import sys
@@ -296,7 +296,7 @@ def job_child(job, msg, layers, code, program):
     try:
         fds, failed_w = list(job.fds), job.failed_w
         try:
-            # Its message after the header (zygote_root.c HEADER: the timeout, the zygote's to keep).
+            # Its message after the header (zygote_root.c HEADER: the timeout and CPU, the zygote's to keep).
             job = marshal.loads(ctypes.string_at(ctypes.addressof(msg) + HEADER, job.msg_len))
             enter_root(root_options(layers, job["scratch_kb"]), job, [failed_w] + fds)  # closes the zygote's
         except BaseException as exc:  # nothing of the job ran: warm.py runs it the ordinary way

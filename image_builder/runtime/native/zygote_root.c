@@ -342,7 +342,8 @@ int ib_enter_root(const char *const opts[4], int proc_masked, int etc_mode, long
  * int ib_net_baseline(void)
  *   The network's state now is the one jobs must leave (after the zygote made a new namespace).
  * int ib_next(struct ib_job *job)
- *   The next job: IB_FORK with its REAPER up as pid 1 of a new pid namespace: the caller forks the job's
+ *   The next job: IB_FORK with its REAPER up as pid 1 of a new pid namespace, the zygote on the job's CPU where
+ *   its header names one (keep_to): the caller forks the job's
  *   process now (the fork's child, pid 2, takes up `job`), then calls ib_wait. IB_END: no more jobs. A job
  *   that cannot start is answered {"error": ...} here (warm.py runs it the ordinary way).
  * int ib_wait(struct ib_job *job, long pid)
@@ -364,7 +365,9 @@ struct ib_job {      /* zygote.py Job */
     int failed_w;    /* where the job's process says why it did not start */
 };
 
-#define HEADER 8                /* a message starts with the job's timeout in microseconds (int64, < 0: none) */
+#define HEADER 16               /* a message starts with the job's timeout in microseconds and its CPU (int64s,
+                                   < 0: none) */
+#define CPU_BYTES 128           /* a CPU mask: 1024 CPUs */
 #define NET_ROOM (64 << 10)     /* the network's state, each copy (about 12 kB in a namespace with only lo) */
 #define ANSWER_ROOM 4608
 #define START_TIMEOUT_MS 10000  /* for REAPER to say it is ready */
@@ -394,6 +397,9 @@ static struct {
     char net[NET_ROOM], now[NET_ROOM];
     char answer[ANSWER_ROOM];
     int answer_len;
+    long cpu;                            /* the CPU the zygote keeps to now, or -1: those it started with */
+    unsigned char cpus[CPU_BYTES];       /* the CPUs it started with */
+    long cpus_len;                       /* their mask's length, or <= 0: unknown (never changed then) */
 } loop;
 
 /* The child of the vfork-style clone below: on its own stack, in the zygote's memory (so it writes none),
@@ -574,6 +580,8 @@ int ib_loop_start(int ctl, int keeper, int home, const char *reaper, char *msg, 
             return 36; /* ENAMETOOLONG */
     loop.msg = msg;
     loop.room = room;
+    loop.cpu = -1;
+    loop.cpus_len = SYS(sched_getaffinity, 0, sizeof loop.cpus, loop.cpus);
     loop.autogroup_len = read_file("/proc/self/autogroup", loop.autogroup, sizeof loop.autogroup);
     if (proc_top(&loop.proc))
         return 2; /* ENOENT */
@@ -606,6 +614,31 @@ static long start_reaper(void) {
     }
     SYS(close, ready[0]);
     return pid;
+}
+
+/* The job's CPU, as the caller's thread that sent it keeps to one (warm.py): the zygote moves there before it
+   starts REAPER and forks, and both inherit it; the job's two sides, its evaluator and its caller then hand
+   over to each other on one CPU. A CPU the zygote may not use leaves it where it was. */
+static void keep_to(long cpu) {
+    if (cpu == loop.cpu || loop.cpus_len <= 0)
+        return;
+    if (cpu < 0 || cpu >= CPU_BYTES * 8) {
+        if (!SYS(sched_setaffinity, 0, loop.cpus_len, loop.cpus))
+            loop.cpu = -1;
+        return;
+    }
+    unsigned char one[CPU_BYTES];
+    for (int i = 0; i < CPU_BYTES; i++)
+        one[i] = i == cpu / 8 ? (unsigned char)(1 << (cpu % 8)) : 0;
+    if (!SYS(sched_setaffinity, 0, sizeof one, one))
+        loop.cpu = cpu;
+}
+
+static long header_field(int k) {
+    long v = 0;
+    for (int i = 7; i >= 0; i--)
+        v = v << 8 | (unsigned char)loop.msg[8 * k + i];
+    return v;
 }
 
 int ib_next(struct ib_job *job) {
@@ -652,6 +685,7 @@ int ib_next(struct ib_job *job) {
         } else if ((err = -SYS(unshare, CLONE_NEWPID))) {
             what = "unshare the job's pid namespace";
         } else {
+            keep_to(header_field(1));
             long pid = start_reaper();
             if (pid < 0) {
                 err = -pid;
@@ -663,9 +697,7 @@ int ib_next(struct ib_job *job) {
             } else {
                 loop.reaper = pid;
                 loop.failed_r = failed[0];
-                loop.timeout_us = 0;
-                for (int k = 7; k >= 0; k--)
-                    loop.timeout_us = loop.timeout_us << 8 | (unsigned char)loop.msg[k];
+                loop.timeout_us = header_field(0);
                 job->msg_len = n - HEADER;
                 for (int i = 0; i < 4; i++)
                     job->fds[i] = fds[i];
