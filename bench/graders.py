@@ -43,6 +43,7 @@ from image_builder.devtools.localregistry import push_image, self_signed_cert, s
 from image_builder.oci.layout import rootfs_layer
 from image_builder.graders import AssertTask, GradeOptions, Prediction, grade, grade_predictions, load_tasks
 from image_builder.graders.grading import StoreExecutors
+from image_builder.runtime.warm import worker_pool
 from image_builder.oci.cache import BlobCache
 from image_builder.oci.cache import sha256_file
 from image_builder.oci.registry import RegistryOptions
@@ -123,7 +124,7 @@ def stdio_rows(store: Store, work: Path) -> list[Row]:
             executor = wrap(executors.for_instance(next(iter(store.index.instances))))
             grade(tasks[0], records[tasks[0].task_id]["solution_py"], executor, options)  # mounts, zygote
             t0 = time.perf_counter()
-            with ThreadPoolExecutor(WORKERS) as pool:
+            with worker_pool(WORKERS) as pool:  # as `image-builder grade` runs them
                 results = list(pool.map(lambda t: grade(t, records[t.task_id]["solution_py"], executor, options),
                                         tasks))
             times[name] = time.perf_counter() - t0
