@@ -66,7 +66,8 @@ def worker_pool(workers: int, **kw) -> ThreadPoolExecutor:
     many as the CPUs (so none of the process's CPUs is left out; a Slurm job's are its own): the warm jobs a
     thread sends run on its CPU, and a case's candidate, its evaluator and the thread waiting on both hand over
     to each other there, without waking another CPU between them. Fewer threads than CPUs keep to none: on a
-    node shared with others, which of its CPUs are free is not this process's to know. Measured (MBPP, 40 tasks
+    node shared with others, which of its CPUs are free is not this process's to know. A job kept to a CPU keeps
+    its own threads and processes there too (a case is one interpreter's work). Measured (MBPP, 40 tasks
     x3, this 2-CPU VM): a grader alone on one CPU 143 cases/s, one of 2 workers 183-199 (bare python3 gets
     2.1x from the second CPU; we got 1.4x), two of 1 worker each kept to a CPU 201-253 together; A/B of this
     pool, 3 rounds alternated: 232-239 -> 253-298 cases/s."""
@@ -79,7 +80,10 @@ def worker_pool(workers: int, **kw) -> ThreadPoolExecutor:
     def keep_to_one() -> None:
         with lock:
             cpu = next(turn)
-        os.sched_setaffinity(0, {cpu})
+        try:
+            os.sched_setaffinity(0, {cpu})
+        except OSError:  # taken from the process meanwhile: this thread keeps to none (a failed initializer
+            pass  # would break the pool)
 
     return ThreadPoolExecutor(max_workers=workers, initializer=keep_to_one, **kw)
 
