@@ -23,6 +23,7 @@ from image_builder.errors import ImageBuilderError
 MAX_DEPTH = 256  # levels (path components) of an entry below the tree's top
 MAX_PATH = 3072  # bytes of an entry's path below the top: room under PATH_MAX for where the tree lies
 _PATH_MAX, _NAME_MAX = 4096, 255  # Linux's
+_RESTARTS = 100  # times `remove` starts again where another process pulled a directory from under it
 
 
 class TreeError(ImageBuilderError):
@@ -101,9 +102,6 @@ def remove(top: Path | str) -> None:
             if e.errno not in (errno.ENOENT, errno.ENOTEMPTY):
                 raise
     raise OSError(errno.EBUSY, f"{shown_path(top)}: still filled by another process as it was removed")
-
-
-_RESTARTS = 100
 
 
 def _remove_dir(top: str) -> None:
