@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,7 +19,7 @@ from image_builder.graders.grading import StoreExecutors
 from image_builder.runtime.backends import open_session
 from image_builder.runtime.execution import RunRequest
 from image_builder.runtime.session import InstanceLayers
-from image_builder.runtime.warm import LAYERS_AT, WarmPool, worker_pool
+from image_builder.runtime.warm import LAYERS_AT, WarmPool, keeping_cpu, thread_cpu, worker_pool
 from image_builder.store.store import Store
 from image_builder.tasks import AssertTask
 from tests.support.servers import LOCALHOST_SERVER
@@ -556,7 +557,7 @@ from pathlib import Path
 from image_builder.runtime.backends import open_session
 from image_builder.runtime.execution import RunRequest
 from image_builder.runtime.session import InstanceLayers
-from image_builder.runtime.warm import LAYERS_AT, WarmPool, worker_pool
+from image_builder.runtime.warm import LAYERS_AT, WarmPool, keeping_cpu, thread_cpu, worker_pool
 from image_builder.store.store import Store
 PROGRAM = %r
 resolved = Store.open(Path(sys.argv[1])).resolve("512")
@@ -631,18 +632,48 @@ def test_jobs_over_a_masked_proc_leave_nothing_in_the_kernel_log(pool):
     assert not [line for line in logged if "too revealing" in line], logged
 
 
-def test_a_job_runs_on_the_cpu_its_sender_keeps_to_and_worker_pools_spread_their_threads(pool):
-    """worker_pool's threads keep to one CPU each, in turn (as many threads as CPUs); a job sent from such a
-    thread runs there (zygote_root.c keep_to: the zygote moves before REAPER and the fork), and a job sent
-    from a thread free to run anywhere runs anywhere the zygote started with (the zygote moves back)."""
+def test_a_job_runs_on_the_cpu_its_sender_was_given_and_nothing_else_keeps_to_it(pool, mbpp_store):
+    """worker_pool gives its threads one CPU each, in turn (as many threads as CPUs); a warm job sent from such a
+    thread, or from a thread it starts through keeping_cpu (a case's candidate run), runs there (zygote_root.c
+    keep_to: the zygote moves before REAPER and the fork). Nothing else keeps to that CPU: not the threads
+    themselves, not a session one opens nor its ordinary runs (a SWE-bench test suite: pylint's needs_two_cores
+    tests skipped when grade's threads kept to one), not a zygote one starts, whose jobs from a free thread run
+    on every CPU."""
     cpus = sorted(os.sched_getaffinity(0))
     where = "import os\nprint(sorted(os.sched_getaffinity(0)))"
+
+    def kept(_: int) -> tuple[int, list[int], str, str]:
+        carried: list[str] = []
+        candidate = threading.Thread(target=keeping_cpu(lambda: carried.append(job(pool, where)[1].strip())))
+        candidate.start()
+        candidate.join()
+        return thread_cpu(), sorted(os.sched_getaffinity(0)), job(pool, where)[1].strip(), carried[0]
+
     with worker_pool(len(cpus)) as workers:
-        kept = list(workers.map(lambda _: (sorted(os.sched_getaffinity(0)), job(pool, where)[1].strip()),
-                                range(4 * len(cpus))))
-    assert sorted({tuple(thread) for thread, _ in kept}) == [(c,) for c in cpus], kept
-    assert all(out == str(thread) for thread, out in kept), kept
-    assert job(pool, where)[1].strip() == str(cpus), "a job from an unpinned thread stayed on the last CPU"
+        got = list(workers.map(kept, range(4 * len(cpus))))
+    assert sorted({given for given, *_ in got}) == cpus, got
+    assert all(own == cpus and out == carried == str([given]) for given, own, out, carried in got), got
+    assert job(pool, where)[1].strip() == str(cpus), "a job from a free thread stayed on the last CPU"
+
+    layers = InstanceLayers.of(Store.open(mbpp_store).resolve("512"))
+
+    def opened(_: int) -> tuple[str, str, str]:
+        with open_session(layers, layers_at=LAYERS_AT) as session:
+            ordinary = session.run(RunRequest(argv=("python3", "-c", where), timeout=20)).stdout.decode().strip()
+            warm = WarmPool(session, layers, ("python3",), PROGRAM, {}, 256)
+            try:
+                given = job(warm, where)[1].strip()
+                free: list[str] = []
+                other = threading.Thread(target=lambda: free.append(job(warm, where)[1].strip()))
+                other.start()
+                other.join()
+                return ordinary, given, free[0]
+            finally:
+                warm.close()
+
+    with worker_pool(len(cpus)) as workers:
+        ordinary, given, free = workers.submit(opened, 0).result()
+    assert ordinary == free == str(cpus) and given in [str([c]) for c in cpus], (ordinary, given, free)
     if len(cpus) > 1:
         with worker_pool(len(cpus) - 1) as fewer:
-            assert fewer.submit(lambda: sorted(os.sched_getaffinity(0))).result() == cpus
+            assert fewer.submit(thread_cpu).result() == -1

@@ -29,7 +29,7 @@ from functools import partial
 from importlib import resources
 
 from image_builder.runtime.execution import Executor, RunRequest, RunResult
-from image_builder.runtime.warm import WarmPool, WarmUnavailable
+from image_builder.runtime.warm import WarmPool, WarmUnavailable, keeping_cpu
 from image_builder.tasks import AssertTask
 from .assert_sides import MAX_EVIDENCE, MAX_FRAME, Codec, ProtocolError
 from .one_answer import assert_answers_exclude, assert_question, one_answer_each
@@ -129,7 +129,7 @@ class _Run:
                 for fd in (stdin, stdout, err_w):
                     os.close(fd)
 
-        self.thread = threading.Thread(target=go, name="image-builder-assert-run", daemon=True)
+        self.thread = threading.Thread(target=keeping_cpu(go), name="image-builder-assert-run", daemon=True)
         self.thread.start()
 
     @property

@@ -54,38 +54,49 @@ SCRATCH_PART = (2, 4, 4)
 MAX_POOLS = 8  # an instance's pools kept (by program, environment, memory limit: a server's clients choose them)
 
 
+_kept = threading.local()  # .cpu: the CPU worker_pool gave this thread
+
+
 def thread_cpu() -> int:
-    """The one CPU the calling thread keeps to (worker_pool's threads, and the threads they start), else -1: a
-    job sent from it runs there (zygote_root.c keep_to)."""
-    cpus = os.sched_getaffinity(0)
-    return next(iter(cpus)) if len(cpus) == 1 else -1
+    """The CPU worker_pool gave the calling thread (or the thread that started it, through keeping_cpu), else
+    -1: a warm job sent from it runs there (zygote_root.c keep_to)."""
+    return getattr(_kept, "cpu", -1)
+
+
+def keeping_cpu(target: Callable[[], None]) -> Callable[[], None]:
+    """`target`, to run on a thread of its own whose warm jobs keep to the calling thread's CPU (a case's
+    candidate and evaluator runs, sent from threads its worker starts)."""
+    cpu = thread_cpu()
+
+    def run() -> None:
+        _kept.cpu = cpu
+        target()
+    return run
 
 
 def worker_pool(workers: int, **kw) -> ThreadPoolExecutor:
-    """A thread pool whose threads each keep to one of the process's CPUs, in turn, where they are at least as
+    """A thread pool whose threads are each given one of the process's CPUs, in turn, where they are at least as
     many as the CPUs (so none of the process's CPUs is left out; a Slurm job's are its own): the warm jobs a
-    thread sends run on its CPU, and a case's candidate, its evaluator and the thread waiting on both hand over
-    to each other there, without waking another CPU between them. Fewer threads than CPUs keep to none: on a
-    node shared with others, which of its CPUs are free is not this process's to know. A job kept to a CPU keeps
-    its own threads and processes there too (a case is one interpreter's work). Measured (MBPP, 40 tasks
-    x3, this 2-CPU VM): a grader alone on one CPU 143 cases/s, one of 2 workers 183-199 (bare python3 gets
-    2.1x from the second CPU; we got 1.4x), two of 1 worker each kept to a CPU 201-253 together; A/B of this
-    pool, 3 rounds alternated: 232-239 -> 253-298 cases/s."""
+    thread sends run on its CPU, so a case's candidate and its evaluator hand over to each other there, without
+    waking another CPU between them. Fewer threads than CPUs give none: on a node shared with others, which
+    of its CPUs are free is not this process's to know. Only warm jobs keep to the CPU (a case is one
+    interpreter's work): the threads themselves, and every other run and process they start, run anywhere the
+    process may, as in SWE-bench's containers (a repository's test suite counts the CPUs it has: pylint skips
+    its multiprocessing tests on one). Measured (MBPP, 40 tasks x3, this 2-CPU VM): a grader alone on one CPU
+    143 cases/s, one of 2 workers 183-199 (bare python3 gets 2.1x from the second CPU; we got 1.4x), two of 1
+    worker each kept to a CPU 201-253 together; A/B of this pool, 3 rounds alternated: 232-239 -> 253-298
+    cases/s."""
     cpus = sorted(os.sched_getaffinity(0))
     if workers < len(cpus):
         return ThreadPoolExecutor(max_workers=workers, **kw)
     turn = itertools.cycle(cpus)
     lock = threading.Lock()
 
-    def keep_to_one() -> None:
+    def give_one() -> None:
         with lock:
-            cpu = next(turn)
-        try:
-            os.sched_setaffinity(0, {cpu})
-        except OSError:  # taken from the process meanwhile: this thread keeps to none (a failed initializer
-            pass  # would break the pool)
+            _kept.cpu = next(turn)
 
-    return ThreadPoolExecutor(max_workers=workers, initializer=keep_to_one, **kw)
+    return ThreadPoolExecutor(max_workers=workers, initializer=give_one, **kw)
 
 
 class WarmUnavailable(Exception):

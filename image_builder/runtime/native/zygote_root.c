@@ -616,9 +616,9 @@ static long start_reaper(void) {
     return pid;
 }
 
-/* The job's CPU, as the caller's thread that sent it keeps to one (warm.py): the zygote moves there before it
-   starts REAPER and forks, and both inherit it; the job's two sides, its evaluator and its caller then hand
-   over to each other on one CPU. A CPU the zygote may not use leaves it where it was. */
+/* The job's CPU, where the caller's thread that sent it was given one (warm.py worker_pool): the zygote moves
+   there before it starts REAPER and forks, and both inherit it; a case's two sides then hand over to each
+   other on one CPU. A CPU the zygote may not use leaves it where it was. */
 static void keep_to(long cpu) {
     if (cpu == loop.cpu || loop.cpus_len <= 0)
         return;
