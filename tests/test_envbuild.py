@@ -703,6 +703,33 @@ echo bottom > f
 """
 
 
+UMASK_SCRIPT = """#!/bin/sh
+set -eu
+umask > /etc/built-umask
+mkdir /etc/made
+echo made > /etc/made/file
+"""
+
+
+def test_build_scripts_run_with_dockers_umask_whatever_the_builders(tmp_path, tiny_base, registries):
+    """A build script's files get the modes they get in `docker build` (umask 0022), not the builder's: an
+    admin's 077 (common on HPC sites) made every file the scripts wrote (a repository's checkout, its
+    packages) 0600, unreadable to a sandbox's other users and not the modes the reference harnesses test."""
+    catalog = write_catalog(tmp_path, [{"name": "tiny", "base": tiny_base, "scripts": ["make.sh"]}],
+                            {"make.sh": UMASK_SCRIPT})
+    before = os.umask(0o077)
+    try:
+        result = build_env(load(catalog).environments["tiny"], options(tmp_path, registries.tls.cert))
+    finally:
+        os.umask(before)
+    assert sif_files(result.sif, tmp_path, "etc/built-umask")["etc/built-umask"] == "0022\n"
+    part = read_sif(result.sif).primary_partition()
+    listing = subprocess.run(["unsquashfs", "-o", str(part.offset), "-lln", str(result.sif), "etc/made"],
+                             capture_output=True, text=True, check=True).stdout
+    modes = {line.split()[-1]: line.split()[0] for line in listing.splitlines() if "etc/made" in line}
+    assert modes == {"squashfs-root/etc/made": "drwxr-xr-x", "squashfs-root/etc/made/file": "-rw-r--r--"}, listing
+
+
 def test_a_script_that_makes_a_2000_deep_tree_fails_in_one_line_and_the_next_build_recovers(tmp_path, tiny_catalog,
                                                                                            registries):
     """A build script (a third party's code) makes a tree deeper than image-builder walks. Before: the

@@ -21,7 +21,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -167,6 +167,7 @@ class Case:
     user: int | None  # None: root
     state_dir: Path
     images: Images
+    caller_umask: int = -1  # the runner's umask (-1: this process's)
 
     def command(self, *args: str) -> list[str]:
         cmd = [sys.executable, str(DRIVER), *args]
@@ -192,7 +193,7 @@ class Case:
 
     def start(self, scenario: dict) -> subprocess.Popen:
         proc = subprocess.Popen(self.command("run"), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, env=self.env(), cwd="/")
+                                stderr=subprocess.PIPE, env=self.env(), cwd="/", umask=self.caller_umask)
         proc.stdin.write(json.dumps(scenario).encode())
         proc.stdin.close()
         proc.stdin = None  # communicate() must not flush it
@@ -376,6 +377,16 @@ def test_a_run_that_leaves_a_1000_deep_tree_is_cleaned_up_like_any_other(case):
     deep, after = case.run(case.req(py(DEEP) + tops, timeout=240), case.req(["sh", "-c", "ls /tmp /root; echo ok"]))
     assert deep.exit_code == 0 and deep.stdout == b"made\n", deep
     assert after.exit_code == 0 and after.stdout.endswith(b"/tmp:\nok\n") and b"deep" not in after.stdout, after
+
+
+def test_a_run_starts_with_dockers_umask_whatever_the_callers(case):
+    """A run's command starts with umask 0022, as a Docker container's process does (runc's default), not with
+    the caller's: an HPC site's 077 gave SWE-bench's test suites other file modes than the reference harness's
+    (and a run's own root directory, made under it, mode 0700: closed to a sandbox's other users)."""
+    probe = "umask; stat -c %a / /tmp; touch /tmp/f; mkdir /tmp/d; stat -c %a /tmp/f /tmp/d"
+    for umask in (0o077, 0o002):
+        got = replace(case, caller_umask=umask).one(["sh", "-c", probe])
+        assert got.exit_code == 0 and got.stdout == b"0022\n755\n1777\n644\n755\n", (oct(umask), got)
 
 
 def test_memory_limit_has_a_clear_verdict(case):

@@ -48,7 +48,7 @@ from image_builder.errors import ImageBuilderError
 from image_builder.oci.trees import walk
 from image_builder.runtime.execution import DEFAULT_PATH, Bind
 from image_builder.runtime.extract import remove_proot_leftovers
-from image_builder.runtime.mounts import DEV_NODES, PROC_MASKED, PROC_READONLY, squashfuse
+from image_builder.runtime.mounts import DEV_NODES, PROC_MASKED, PROC_READONLY, RUN_UMASK, squashfuse
 from image_builder.store.store import builder_mark, dead_builder, remove_tree
 from .cutoff_index import cutoff_index
 from .enter import PIVOT, fake_chown_filter
@@ -218,7 +218,9 @@ class _HostPaths:
         if os.geteuid() != 0:
             return str(path)
         dest = self.staging / "host" / name
-        dest.parent.mkdir(exist_ok=True)
+        if not dest.parent.exists():
+            dest.parent.mkdir()
+            dest.parent.chmod(0o755)  # BUILD_UID goes through it, whatever the builder's umask (077: EACCES)
         if path.is_dir():
             dest.mkdir()
         else:
@@ -416,7 +418,7 @@ def run(spec: SandboxSpec, argv: list[str], *, backend: BuildBackend | None = No
                 env.update(index_env)
                 t0 = time.monotonic()
                 if interactive:
-                    return Result(subprocess.Popen(cmd, env=env).wait(), False, time.monotonic() - t0, ())
+                    return Result(subprocess.Popen(cmd, env=env, umask=RUN_UMASK).wait(), False, time.monotonic() - t0, ())
                 return _supervise(cmd, env, timeout, log, echo, tail_lines, t0)
         finally:
             for point in reversed(fuse_mounts):
@@ -530,7 +532,7 @@ def _start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
         if _halting:
             raise SandboxError("the build is stopping; no new sandbox starts")
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                stderr=subprocess.STDOUT, start_new_session=True, umask=RUN_UMASK)
         _running.add(proc.pid)
         return proc
 

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from .execution import Bind, RunRequest, RunResult
-from .mounts import RunnerError
+from .mounts import RUN_UMASK, RunnerError
 from .session import Backend, Captured, InstanceLayers, Session, build_result, collect, stdin_fd
 
 
@@ -87,7 +87,8 @@ def _run_process(cmd: list[str], request: RunRequest, env: dict[str, str]) -> Ru
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
     t0 = time.monotonic()
     try:
-        proc = subprocess.Popen(cmd, stdin=stdin, stdout=out_w, stderr=err_w, env=env, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdin=stdin, stdout=out_w, stderr=err_w, env=env, start_new_session=True,
+                                umask=RUN_UMASK)
     finally:
         for fd in (stdin, out_w, err_w):
             os.close(fd)

@@ -16,7 +16,7 @@ from pathlib import Path
 from image_builder.oci.trees import remove
 from image_builder.pack.squashfs import LayerListing, list_layer
 from .execution import Bind, RunRequest, RunResult
-from .mounts import RunnerError, hold_tree
+from .mounts import RUN_UMASK, RunnerError, hold_tree
 from .session import Backend, Captured, InstanceLayers, Session, build_job, build_result, collect, stdin_fd
 
 
@@ -455,7 +455,7 @@ def _run_proot(cmd: list[str], request: RunRequest, env: dict[str, str], session
     t0 = time.monotonic()
     try:
         proc = subprocess.Popen(cmd, stdin=stdin, stdout=out_w, stderr=err_w, env=env, start_new_session=True,
-                                preexec_fn=_deny_untranslated(program) if program else None)
+                                umask=RUN_UMASK, preexec_fn=_deny_untranslated(program) if program else None)
     finally:
         for fd in (stdin, out_w, err_w):
             os.close(fd)

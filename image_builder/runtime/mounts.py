@@ -174,6 +174,10 @@ def loop_mount(image: str | int, offset: int, size: int, target: str, *, fstype:
 
 SQUASHFUSE_ENV = "IMAGE_BUILDER_SQUASHFUSE"
 INIT_ENV = "IMAGE_BUILDER_INIT"
+# Every run's and build script's umask, Docker's (runc's default for a container's process), not the caller's:
+# an HPC site's 077 gave test suites other file modes than the reference harnesses' containers, and a build's
+# files modes no other user of the store could read. native/init.c has the same (RUN_UMASK).
+RUN_UMASK = 0o022
 INIT_MISSING = ("image-builder-init not found (built by `make` from image_builder/runtime/native/init.c into the venv; "
                 f"or set ${INIT_ENV})")
 ZYGOTE_LIBRARY = "image-builder-zygote.so"

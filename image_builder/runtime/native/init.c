@@ -73,6 +73,7 @@
 #define ZYGOTE 2       /* a job's flag: the command is a warm interpreter (zygote.py): pid_keeper() */
 #define MAX_MESSAGE (1 << 16)
 #define MAX_FDS 8
+#define RUN_UMASK 022 /* every run's, as mounts.py RUN_UMASK: main() */
 
 /* The mount API of Linux 5.2 and 5.12 (linux/mount.h, which musl does not ship). */
 #define OPEN_TREE_CLONE 1
@@ -1373,6 +1374,10 @@ static int reap(void) {
 
 int main(int argc, char **argv) {
     struct spec s;
+    /* Docker's umask (runc's default for a container's process), not the caller's: an HPC site's 077 made a
+       run's root directory 0700 (closed to a sandbox's other users) and gave test suites other file modes
+       than the reference harnesses' containers. Before anything is made: the root's directories too. */
+    umask(RUN_UMASK);
     if (argc == 2 && !strcmp(argv[1], "reap"))
         return reap();
     if (argc == 3 && !strcmp(argv[1], "netns")) {
