@@ -996,6 +996,23 @@ def test_userns_mounts_with_the_chosen_squashfuse(case, monkeypatch, program):
     assert set(daemons) == {program}, daemons
 
 
+@pytest.mark.parametrize("case", ["userns"], indirect=True)
+def test_a_layer_that_does_not_mount_fails_its_open_in_one_line_and_the_others_are_not_left(case):
+    """Rootless, a layer that does not mount (not a squashfs) fails the open in one line naming it, the layers
+    mounted before it are not left behind once the holder is idle, and the next open is served."""
+    bad = case.state_dir / "not-a-layer.sqfs"
+    bad.write_bytes(b"not a squashfs image\n" * 512)
+    os.chown(bad, case.user, case.user)
+    scenario = case.scenario([case.req(["true"])])
+    scenario["layers"]["overlays"] = [str(case.images.inst_sqfs), str(bad)]
+    out, err = case.start(scenario).communicate(timeout=120)
+    failed = json.loads(out)
+    assert "not-a-layer.sqfs" in failed.get("error", "") and "\n" not in failed["error"], (failed, err[-2000:])
+    assert case.one(["cat", "/testbed/hello.txt"]).stdout == b"hello from the instance\n"
+    assert eventually(lambda: not processes_with(str(case.state_dir)) and not processes_with(str(case.images.dir)))
+    assert our_mounts(case.images.dir, case.state_dir) == []
+
+
 # --- nothing leaks ----------------------------------------------------------------------------
 
 
