@@ -418,7 +418,8 @@ def run(spec: SandboxSpec, argv: list[str], *, backend: BuildBackend | None = No
                 env.update(index_env)
                 t0 = time.monotonic()
                 if interactive:
-                    return Result(subprocess.Popen(cmd, env=env, umask=RUN_UMASK).wait(), False, time.monotonic() - t0, ())
+                    status = subprocess.Popen(cmd, env=env, umask=RUN_UMASK).wait()
+                    return Result(status, False, time.monotonic() - t0, ())
                 return _supervise(cmd, env, timeout, log, echo, tail_lines, t0)
         finally:
             for point in reversed(fuse_mounts):
