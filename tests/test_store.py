@@ -19,6 +19,7 @@ import yaml
 
 from image_builder.build.catalog import load
 from image_builder.build.envbuild import BuildOptions
+from image_builder.build.sandbox import BUILD_UID, STAGING, remove_dead_staging
 from image_builder.build.storebuild import StoreBuildOptions, build_store
 from image_builder.oci.cache import BlobCache
 from image_builder.oci.registry import RegistryOptions
@@ -255,6 +256,35 @@ def test_a_failed_instance_build_opens_in_debug(tmp_path, tiny_base, registries)
     assert "\nenv" in out.replace("\r", ""), "the environment's layers are under it"
     assert run_cli("gc", "--store", str(store)).returncode == 0
     assert not (store / "failed/instances/broken").exists()
+
+
+def test_a_dead_builders_staging_is_swept_whether_or_not_it_was_handed_over():
+    """A root builder killed between making its staging folder in the temporary folder and handing it to
+    BUILD_UID left it root's: the next build kept it for good (met in CI, test_kill_9_mid_build_then_resume).
+    Root's and BUILD_UID's folders of a dead builder go; another user's, a live builder's and a symlink stay."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    prefix = f"{STAGING}{socket.gethostname()}@"
+    tmp = Path(tempfile.gettempdir())
+    made = {name: tmp / f"{prefix}{pid}-sweep-{name}" for name, pid in
+            (("root", dead.pid), ("handed", dead.pid), ("other-user", dead.pid), ("live", os.getpid()))}
+    link = tmp / f"{prefix}{dead.pid}-sweep-link"
+    try:
+        for name, path in made.items():
+            (path / "files").mkdir(parents=True)
+            (path / "files" / "ca.pem").write_text("x")
+        for path, uid in ((made["handed"], BUILD_UID), (made["other-user"], 65534)):
+            for p in (path, path / "files", path / "files" / "ca.pem"):
+                os.lchown(p, uid, uid)
+        link.symlink_to(made["live"])
+        removed = set(remove_dead_staging())
+        assert {str(made["root"]), str(made["handed"])} <= removed, removed
+        assert not made["root"].exists() and not made["handed"].exists()
+        assert made["other-user"].exists() and made["live"].exists() and link.is_symlink()
+    finally:
+        link.unlink(missing_ok=True)
+        for path in made.values():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def test_kill_9_mid_build_then_resume(tmp_path, tiny_base, registries):

@@ -431,8 +431,9 @@ def run(spec: SandboxSpec, argv: list[str], *, backend: BuildBackend | None = No
 
 def remove_dead_staging() -> list[str]:
     """Root builds' staging folders in the temporary folder whose builder is gone (killed outright: its
-    TemporaryDirectory never cleaned up; two a killed `build -j 2`). Only this node's, only folders handed
-    to BUILD_UID (no user but root can make one), only of builders with no process."""
+    TemporaryDirectory never cleaned up; two a killed `build -j 2`). Only this node's, only folders of root's
+    or handed to BUILD_UID (no user but root can make either: a builder killed before it handed its folder
+    over left it root's, which the next build kept for good), only of builders with no process."""
     if os.geteuid() != 0:
         return []
     prefix, removed = f"{STAGING}{socket.gethostname()}@", []
@@ -442,7 +443,7 @@ def remove_dead_staging() -> list[str]:
             st = entry.lstat()
         except OSError:
             continue
-        if stat.S_ISDIR(st.st_mode) and st.st_uid == BUILD_UID and dead_builder(f"{socket.gethostname()}@{pid}"):
+        if stat.S_ISDIR(st.st_mode) and st.st_uid in (0, BUILD_UID) and dead_builder(f"{socket.gethostname()}@{pid}"):
             remove_tree(entry)
             removed.append(str(entry))
     return removed
