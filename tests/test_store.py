@@ -277,9 +277,8 @@ def test_a_dead_builders_staging_is_swept_whether_or_not_it_was_handed_over():
             for p in (path, path / "files", path / "files" / "ca.pem"):
                 os.lchown(p, uid, uid)
         link.symlink_to(made["live"])
-        removed = set(remove_dead_staging())
-        assert {str(made["root"]), str(made["handed"])} <= removed, removed
-        assert not made["root"].exists() and not made["handed"].exists()
+        remove_dead_staging()  # (a build in another test may sweep them first: what is left is what counts)
+        assert not made["root"].exists() and not made["handed"].exists(), sorted(tmp.glob(f"{prefix}*"))
         assert made["other-user"].exists() and made["live"].exists() and link.is_symlink()
     finally:
         link.unlink(missing_ok=True)
