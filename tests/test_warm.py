@@ -557,7 +557,7 @@ from pathlib import Path
 from image_builder.runtime.backends import open_session
 from image_builder.runtime.execution import RunRequest
 from image_builder.runtime.session import InstanceLayers
-from image_builder.runtime.warm import LAYERS_AT, WarmPool, keeping_cpu, thread_cpu, worker_pool
+from image_builder.runtime.warm import LAYERS_AT, WarmPool, worker_pool
 from image_builder.store.store import Store
 PROGRAM = %r
 resolved = Store.open(Path(sys.argv[1])).resolve("512")
