@@ -703,6 +703,27 @@ echo bottom > f
 """
 
 
+def test_a_script_that_makes_a_2000_deep_tree_fails_in_one_line_and_the_next_build_recovers(tmp_path, tiny_catalog,
+                                                                                           registries):
+    """A build script (a third party's code) makes a tree deeper than image-builder walks. Before: the
+    build died in RecursionError (clamping the tree's times, or removing the tree it left), a traceback,
+    and so did every later build of the store, which removes that tree first."""
+    (tmp_path / "scripts/make.sh").write_text(DEEP_SCRIPT)
+    args = ("build", str(tiny_catalog), "--store", str(tmp_path / "store"), "--cache-dir", str(tmp_path / "c"),
+            "--ca-cert", str(registries.tls.cert))
+    r = run_cli(*args)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("failed: environment tiny:") and "levels deep" in last, r.stderr[-3000:]
+    (tmp_path / "scripts/make.sh").write_text(SCRIPT)
+    r = run_cli(*args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sif_files(built_image(tmp_path / "store", "tiny"), tmp_path, "etc/built-by")["etc/built-by"] == \
+        "greeting=hello world\n"
+    assert not (tmp_path / "store/failed/envs/tiny").exists(), "the failed build's deep tree is still there"
+
+
 UMASK_SCRIPT = """#!/bin/sh
 set -eu
 umask > /etc/built-umask
@@ -728,24 +749,3 @@ def test_build_scripts_run_with_dockers_umask_whatever_the_builders(tmp_path, ti
                              capture_output=True, text=True, check=True).stdout
     modes = {line.split()[-1]: line.split()[0] for line in listing.splitlines() if "etc/made" in line}
     assert modes == {"squashfs-root/etc/made": "drwxr-xr-x", "squashfs-root/etc/made/file": "-rw-r--r--"}, listing
-
-
-def test_a_script_that_makes_a_2000_deep_tree_fails_in_one_line_and_the_next_build_recovers(tmp_path, tiny_catalog,
-                                                                                           registries):
-    """A build script (a third party's code) makes a tree deeper than image-builder walks. Before: the
-    build died in RecursionError (clamping the tree's times, or removing the tree it left), a traceback,
-    and so did every later build of the store, which removes that tree first."""
-    (tmp_path / "scripts/make.sh").write_text(DEEP_SCRIPT)
-    args = ("build", str(tiny_catalog), "--store", str(tmp_path / "store"), "--cache-dir", str(tmp_path / "c"),
-            "--ca-cert", str(registries.tls.cert))
-    r = run_cli(*args)
-    assert r.returncode == 1, r.stderr[-3000:]
-    assert "Traceback" not in r.stderr, r.stderr[-3000:]
-    last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("failed: environment tiny:") and "levels deep" in last, r.stderr[-3000:]
-    (tmp_path / "scripts/make.sh").write_text(SCRIPT)
-    r = run_cli(*args)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert sif_files(built_image(tmp_path / "store", "tiny"), tmp_path, "etc/built-by")["etc/built-by"] == \
-        "greeting=hello world\n"
-    assert not (tmp_path / "store/failed/envs/tiny").exists(), "the failed build's deep tree is still there"
