@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from image_builder.pack.squashfs import SquashOptions, pack
-from image_builder.runtime.mounts import SQUASHFUSE_ENV, squashfuse
+from image_builder.runtime.mounts import SQUASHFUSE_ENV, fuse_mount, squashfuse
 
 NOBODY = 65534
 CACHED = Path(sys.executable).parent / "squashfuse_cached"
@@ -226,3 +226,37 @@ def test_bad_input_says_what_is_wrong(image, tmp_path, args, needle):
     out = subprocess.run([str(CACHED), *args], capture_output=True, text=True, timeout=30)
     assert out.returncode != 0 and needle in out.stderr
     assert not os.path.ismount(tmp_path)
+
+
+# A squashfuse that floods its stderr past a pipe's buffer, then fails, or hangs: a fault a real one
+# produces only by chance (a stuck FUSE connection), hence a stand-in.
+_FAULTY = """#!/bin/sh
+head -c 200000 /dev/zero | tr '\\0' x >&2
+echo >&2
+echo "$0: cannot mount $3 at $4" >&2
+[ "$FAULT" = hang ] && exec sleep 60
+exit 3
+"""
+
+
+@pytest.mark.parametrize("fault", ["fail", "hang"])
+def test_a_squashfuse_that_fails_or_hangs_fails_the_mount_in_one_line(image, tmp_path, monkeypatch, fault):
+    """fuse_mount (the holder's, rootless) reads the program's stderr as it comes (a flood does not block it),
+    gives its last line, and gives up on one that never mounts, killed, after its timeout."""
+    program = tmp_path / "squashfuse"
+    program.write_text(_FAULTY)
+    program.chmod(0o755)
+    monkeypatch.setenv(SQUASHFUSE_ENV, str(program))
+    monkeypatch.setenv("FAULT", fault)
+    t0 = time.monotonic()
+    with pytest.raises(OSError) as failed:
+        fuse_mount(str(image), 0, str(tmp_path), timeout=2)
+    assert time.monotonic() - t0 < 30
+    why = str(failed.value)
+    assert "\n" not in why and str(image) in why, why
+    assert ("no mount after 2 s" if fault == "hang" else f"cannot mount {image} at {tmp_path}") in why, why
+    assert not subprocess.run(["pgrep", "-f", str(program)], capture_output=True).stdout
+    monkeypatch.setenv(SQUASHFUSE_ENV, str(tmp_path / "missing"))
+    with pytest.raises(OSError, match="not found .install squashfuse") as missing:
+        fuse_mount(str(image), 0, str(tmp_path))
+    assert missing.value.errno == errno.ENOENT
