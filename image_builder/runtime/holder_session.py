@@ -100,9 +100,6 @@ def _start_holder(state_dir: Path, kernel: bool, name: str) -> str:
     """Start a holder for `name`; "ready", or "busy" when the name was already taken."""
     import subprocess
 
-    cgroups = locate_cgroups()
-    if cgroups:
-        start_join_grace_period(cgroups[0])
     root = str(Path(__file__).resolve().parents[2])
     # -S: no site-packages scan; the holder needs the standard library and this package only.
     boot = f"import os, sys; sys.path[:0] = [{root!r}]; from image_builder.runtime.holder import holder_main; " \
@@ -114,6 +111,9 @@ def _start_holder(state_dir: Path, kernel: bool, name: str) -> str:
                                 stderr=log, start_new_session=True, cwd="/", env={**os.environ, _NAME_ENV: name})
     finally:
         os.close(log)
+    cgroups = locate_cgroups()
+    if cgroups:  # while the holder starts up, not before it (2 ms of this process's time)
+        start_join_grace_period(cgroups[0])
     line = proc.stdout.readline().decode(errors="replace").strip()
     proc.stdout.close()
     proc.wait()
