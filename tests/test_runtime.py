@@ -389,6 +389,18 @@ def test_a_run_starts_with_dockers_umask_whatever_the_callers(case):
         assert got.exit_code == 0 and got.stdout == b"0022\n755\n1777\n644\n755\n", (oct(umask), got)
 
 
+@pytest.mark.parametrize("case", ["kernel", "userns"], indirect=True)
+def test_a_run_sees_its_cgroups_as_their_root_and_nothing_of_the_hosts(case):
+    """A run's /proc/self/cgroup names its own cgroups as `/` in every hierarchy (a cgroup namespace, as a
+    Docker container's): before, it showed the host's paths, the holder's pid and the run's number among the
+    holder's runs (`image-builder-PID-TOKEN/rN`), which on cgroup v2 counted the runs before it."""
+    first, second = case.run(case.req(["cat", "/proc/self/cgroup"]), case.req(["cat", "/proc/self/cgroup"]))
+    for got in (first, second):
+        lines = got.stdout.decode().splitlines()
+        assert got.exit_code == 0 and lines and all(line.endswith(":/") for line in lines), got
+    assert first.stdout == second.stdout
+
+
 def test_memory_limit_has_a_clear_verdict(case):
     hog, fine = case.run(case.req(py("b = bytearray(600 << 20); print(len(b))"), memory_mb=200),
                          case.req(py("print(sum(range(10)))"), memory_mb=200))

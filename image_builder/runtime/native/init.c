@@ -527,6 +527,11 @@ static int enter_root(const struct spec *s, int *cgroup, int scratch_fd[3]) {
         if (write_file(*cgroup, "cgroup.procs", "0"))
             return -1;
     }
+    /* Its cgroups as its root, as a Docker container's (cgroupns private): /proc/self/cgroup showed the
+       host's paths, and in them the holder's pid and the run's number among the holder's (rN: on v2,
+       how many runs came before). EINVAL: a kernel without cgroup namespaces. */
+    if (unshare(CLONE_NEWCGROUP) && errno != EINVAL)
+        return fail("unshare the cgroup namespace: %s", strerror(errno));
     /* pivot_root(".", ".") stacks the old root on the new one; detaching it leaves
        nothing of the host in this mount namespace to escape to. */
     if (syscall(SYS_pivot_root, ".", "."))
