@@ -281,6 +281,20 @@ def processes_with(text: str) -> list[int]:
     return found
 
 
+def inits_of(state_dir: Path, mode: str) -> list[int]:
+    """The inits in `mode` its holder (found by its state dir) started: an init's command line shows no more."""
+    holders = {str(pid) for pid in processes_with(str(state_dir))}
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            parent = Path(f"/proc/{pid}/status").read_text().split("\nPPid:", 1)[1].split()[0]
+            if parent in holders and Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[1:2] == [mode.encode()]:
+                found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
 def eventually(check, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -399,6 +413,26 @@ def test_a_run_sees_its_cgroups_as_their_root_and_nothing_of_the_hosts(case):
         lines = got.stdout.decode().splitlines()
         assert got.exit_code == 0 and lines and all(line.endswith(":/") for line in lines), got
     assert first.stdout == second.stdout
+
+
+# Prints how many scheduler autogroups (sessions) were made on the host between the run's init's and its own.
+_SESSIONS_SINCE_INIT = ("import re\n"
+                        "ids = [int(re.search(r'-(\\d+)', open(f'/proc/{p}/autogroup').read())[1]) for p in (1, 'self')]\n"
+                        "print(ids[1] - ids[0])")
+_MAKE_SESSIONS = "import os\nfor _ in range(300):\n    p = os.fork()\n    if not p:\n        os.setsid(); os._exit(0)\n    os.waitpid(p, 0)"
+
+
+@pytest.mark.parametrize("case", ["kernel", "userns"], indirect=True)
+def test_a_run_reads_no_count_the_run_before_it_left_and_no_host_path_in_its_init(case):
+    """Red team: a run's init was made ahead of need, its session (a scheduler autogroup) with it; a run made
+    300 sessions and the next read that number back, its own autogroup's id against /proc/1/autogroup's (a
+    host-wide counter: any number a case chose, for the next case). And /proc/1/cmdline held the host's paths:
+    the state dir, and the run's cgroup, named with the holder's pid and the run's number."""
+    quiet, sent, after, cmdline = case.run(case.req(py(_SESSIONS_SINCE_INIT)), case.req(py(_MAKE_SESSIONS)),
+                                           case.req(py(_SESSIONS_SINCE_INIT)), case.req(["cat", "/proc/1/cmdline"]))
+    assert quiet.exit_code == sent.exit_code == after.exit_code == 0, (quiet, sent, after)
+    assert int(after.stdout) < 50 and int(quiet.stdout) < 50, (quiet.stdout, after.stdout)
+    assert cmdline.exit_code == 0 and cmdline.stdout.rstrip(b"\0") == b"image-builder-init\0session", cmdline
 
 
 def test_memory_limit_has_a_clear_verdict(case):
@@ -912,8 +946,7 @@ def test_ready_inits_left_for_later_sessions_are_bounded_in_total(case):
         assert case.one(["true"], session={"linger": 60.0, "scratch_mb": 64 + mb}).exit_code == 0
 
     def inits() -> list[int]:
-        return [pid for pid in processes_with(str(case.state_dir))
-                if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[1:2] == [b"session"]]
+        return inits_of(case.state_dir, "session")
 
     try:
         assert eventually(lambda: len(inits()) <= MAX_SPARES), len(inits())

@@ -176,18 +176,17 @@ def spawn_init(program: str, spec: RootSpec, mode: str, ctl: int, idle: float = 
             spec.console or "", str(max(1, int(idle)))]
     for src, dest, readonly in spec.binds:
         argv += [src, dest, str(int(readonly))]
-    # A session of its own: a scheduler autogroup that a run renicing /proc/1/autogroup slows for
-    # this init alone, not for the holder and every other init (red team).
-    return spawn_with(program, argv, (ctl, *(() if netns is None else (netns,))), setsid=True)
+    # Not a session of its own yet: the init makes it as its job comes (init.c first_job says why).
+    return spawn_with(program, argv, (ctl, *(() if netns is None else (netns,))))
 
 
-def spawn_with(program: str, argv: list[str], fds: tuple[int, ...], setsid: bool = False) -> int:
+def spawn_with(program: str, argv: list[str], fds: tuple[int, ...]) -> int:
     """posix_spawn `program` with `fds` as its descriptors 3, 4, ...; the pid."""
     # Above them first: dup2 onto 3 and 4 must not overwrite one of them before it is copied.
     high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10) for fd in fds]
     try:
         return os.posix_spawn(program, argv, {}, file_actions=[(os.POSIX_SPAWN_DUP2, fd, 3 + i)
-                                                                 for i, fd in enumerate(high)], setsid=setsid)
+                                                                 for i, fd in enumerate(high)])
     finally:
         for fd in high:
             os.close(fd)

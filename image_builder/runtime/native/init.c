@@ -1166,6 +1166,11 @@ static int pid_keeper(void) {
 /* The rest of the root, at the first job (finish_root); then this init is made
    non-dumpable. 0, or -1 with error[] set. */
 static int first_job(const struct spec *s, const struct job *j, int scratch[3]) {
+    /* A scheduler autogroup of its own (a run renicing /proc/1/autogroup then slows this init alone), made
+       now: one made with the init, ahead of need, was a baseline the job read its own against (the count of
+       sessions made on the host meanwhile, by the run before too: any number it chose to leave). */
+    if (setsid() < 0)
+        return fail("setsid: %s", strerror(errno));
     if ((j->flags & ZYGOTE) && last_pid >= 0 && pid_keeper())
         return -1;
     if (last_pid >= 0)
@@ -1309,6 +1314,27 @@ static int serve_sandbox(const struct spec *s, int setup, int cgroup, int scratc
     return 0;
 }
 
+/* A run reads this init's command line (/proc/1/cmdline): it held the host's paths, the state dir and the run's
+   cgroup, named with the holder's pid and the run's number among the holder's. The arguments are copied, and
+   what the kernel shows of them blanked but for the program's name and the mode (for ps on the host). */
+static char **own_arguments(int argc, char **argv) {
+    static const char name[] = "image-builder-init";
+    char **copy = calloc((size_t)argc + 1, sizeof *copy), *end = argv[argc - 1] + strlen(argv[argc - 1]);
+    if (!copy)
+        return NULL;
+    for (int i = 0; i < argc; i++)
+        if (!(copy[i] = strdup(argv[i])) || (i && argv[i] != argv[i - 1] + strlen(argv[i - 1]) + 1))
+            return NULL; /* the kernel lays them out one after another: anything else is not an exec of ours */
+    size_t shown = sizeof name + (argc > 1 ? strlen(copy[1]) + 1 : 0);
+    if ((size_t)(end - argv[0]) + 1 < shown)
+        return NULL;
+    memset(argv[0], 0, (size_t)(end - argv[0]));
+    memcpy(argv[0], name, sizeof name);
+    if (argc > 1)
+        memcpy(argv[0] + sizeof name, copy[1], strlen(copy[1]));
+    return copy;
+}
+
 static int parse_spec(int argc, char **argv, struct spec *s) {
     if (argc < 12 || (argc - 12) % 3 ||
         (strcmp(argv[1], "session") && strcmp(argv[1], "joined") && strcmp(argv[1], "sandbox")))
@@ -1356,7 +1382,9 @@ static int make_netns(int n) {
    rest. A Python fork as pid 1 cost every job a copy of the zygote's page tables, a few hundred
    copy-on-write faults and a teardown (281 faults of 1030 a job). It runs in the zygote's mount
    namespace, as the zygote's user: not dumpable (no process of the job may trace it or open its
-   /proc files, its root among them) and without capabilities, before it says it is ready on fd 3. */
+   /proc files, its root among them) and without capabilities, before it says it is ready on fd 3. In a
+   session of its own, made with the job: in the zygote's, /proc/1/autogroup (readable where a job mounts
+   its own /proc: rootless) was a baseline older than the jobs before it (first_job says what it gave). */
 static void on_child(int sig) { (void)sig; }
 
 static int reap(void) {
@@ -1366,7 +1394,7 @@ static int reap(void) {
     sigemptyset(&chld);
     sigemptyset(&empty);
     sigaddset(&chld, SIGCHLD);
-    if (prctl(PR_SET_DUMPABLE, 0) || prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) ||
+    if (setsid() < 0 || prctl(PR_SET_DUMPABLE, 0) || prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) ||
         syscall(SYS_capset, &head, none) || sigprocmask(SIG_BLOCK, &chld, NULL) ||
         signal(SIGCHLD, on_child) == SIG_ERR || write(CTL, "r", 1) != 1 || close(CTL))
         return 1;
@@ -1389,7 +1417,7 @@ int main(int argc, char **argv) {
         prctl(PR_SET_PDEATHSIG, SIGKILL);
         return make_netns(atoi(argv[2])) ? 1 : 0;
     }
-    if (parse_spec(argc, argv, &s)) {
+    if (!(argv = own_arguments(argc, argv)) || parse_spec(argc, argv, &s)) {
         fprintf(stderr, "usage: image-builder-init session|joined|sandbox BASE LOWER USERXATTR NETWORK SCRATCH_MB UPPER "
                         "CGROUP NETNS_FD CONSOLE IDLE_SECONDS [SRC DEST RO]...\n(started by image_builder.runtime.holder)\n");
         return 2;
