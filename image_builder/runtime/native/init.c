@@ -124,6 +124,10 @@ static int last_pid = -1; /* this pid namespace's ns_last_pid, open for writing 
 static int keeper = -1;   /* the zygote's end of the pid keeper's socket: its descriptor 3 */
 static int user_limits = -1; /* /proc/sys/user as mounted (rw), for no_namespaces() */
 static int children = -1; /* a signalfd for SIGCHLD */
+/* What the root was built with, ahead of its job, that shows when (O_PATH): made_ahead() stamps them now.
+   Of them, /dev/pts's root (its ptmx too) and, on the kernel backend, /proc's (its symlinks too). */
+#define MAX_AHEAD 12
+static int ahead[MAX_AHEAD], n_ahead, ahead_pts = -1, ahead_proc = -1;
 
 static int fail(const char *fmt, ...) {
     if (!error[0]) {
@@ -415,6 +419,79 @@ static void default_hosts(void) {
         close(dir);
 }
 
+/* `path` (as the root is being built), kept for made_ahead(); its descriptor, or -1 with error[] set. */
+static int keep_ahead(const char *path) {
+    int fd = n_ahead == MAX_AHEAD ? (errno = EMFILE, -1) : open(path, O_PATH | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0)
+        return fail("open %s: %s", path, strerror(errno));
+    return ahead[n_ahead++] = fd;
+}
+
+/* Stamp now what `fd` (made_ahead's) is, or its entry `name`. */
+static int touch(int fd, const char *name) {
+    char path[PATH_MAX];
+    snprintf(path, sizeof path, "/proc/self/fd/%d%s%s", fd, name ? "/" : "", name ? name : "");
+    if (utimensat(AT_FDCWD, path, NULL, name ? AT_SYMLINK_NOFOLLOW : 0))
+        return fail("stamp %s (made with the root): %s", name ? name : "a mount's root", strerror(errno));
+    return 0;
+}
+
+/* Every entry under the open directory `dir` (closed here) stamped now. */
+static int touch_tree(int dir, int depth) {
+    DIR *d = fdopendir(dir);
+    struct dirent *e;
+    int r = d ? 0 : fail("list the writable layer: %s", strerror(errno));
+    while (!r && d && (e = readdir(d))) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
+            continue;
+        if (e->d_type == DT_DIR && depth < 64) {
+            int sub = openat(dirfd(d), e->d_name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+            r = sub < 0 ? fail("open %s in the writable layer: %s", e->d_name, strerror(errno)) : touch_tree(sub, depth + 1);
+        }
+        if (!r && utimensat(dirfd(d), e->d_name, NULL, AT_SYMLINK_NOFOLLOW))
+            r = fail("stamp %s in the writable layer: %s", e->d_name, strerror(errno));
+    }
+    if (!r && d && futimens(dirfd(d), NULL))
+        r = fail("stamp the writable layer: %s", strerror(errno));
+    if (d)
+        closedir(d);
+    else
+        close(dir);
+    return r;
+}
+
+/* A spare init builds its root while the run before it runs (runtime/holder_session.py asks for the
+   next as a run starts): what the root was made with showed that time, and a run read how long the one
+   before it took, to the millisecond, from /tmp's or /etc/hosts's ctime (red team: 0, 300 and 700 ms
+   slept, read back). As its job comes, the init stamps them now: the writable layer's entries (/etc/hosts,
+   mount points), the roots of /tmp, /dev/shm and /dev/pts (and ptmx), and /proc's root, the directories
+   bound read-only in it and its symlinks. Rootless, /proc's root is not the init's to stamp: a new /proc
+   is mounted over it instead (the one under it lets a user namespace mount one). `hide`: its processes
+   but the command's hidden (hidepid; the init then is not the command's to trace): /proc/1's start time
+   and counters were the same clock. A kept layer (shell --persist) keeps its times. */
+static int made_ahead(const struct spec *s, int layer, int hide) {
+    char path[64];
+    int r = 0;
+    if (!*s->upper && layer >= 0) {
+        snprintf(path, sizeof path, "/proc/self/fd/%d/u", layer);
+        int dir = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        r = dir < 0 ? fail("open the writable layer: %s", strerror(errno)) : touch_tree(dir, 0);
+    }
+    for (int i = 0; !r && i < n_ahead; i++)
+        r = touch(ahead[i], NULL);
+    if (!r && ahead_pts >= 0)
+        r = touch(ahead_pts, "ptmx");
+    if (!r && ahead_proc >= 0)
+        r = touch(ahead_proc, "self") || touch(ahead_proc, "thread-self");
+    for (int i = 0; i < n_ahead; i++)
+        close(ahead[i]);
+    n_ahead = 0;
+    ahead_pts = ahead_proc = -1;
+    if (!r && s->userxattr)
+        r = do_mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, hide ? "hidepid=2" : NULL);
+    return r;
+}
+
 /* As pid 1 of a new pid namespace: build the run's root and move into it; finish_root()
    then ends as root of a nested user namespace that owns nothing: the run can mount,
    unmount or remount nothing (the layers, /proc masks and tmpfs sizes stay put), and real
@@ -475,7 +552,14 @@ static int enter_root(const struct spec *s, int *cgroup, int scratch_fd[3]) {
     if (!*s->upper && (do_mount("tmp", "tmp", "tmpfs", MS_NOSUID | MS_NODEV, opts) ||
                        (scratch_fd[TMP] = open("tmp", O_PATH | O_DIRECTORY | O_CLOEXEC)) < 0))
         return fail("open /tmp: %s", strerror(errno));
-    if (do_mount("proc", "proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL))
+    if (!*s->upper && keep_ahead("tmp") < 0)
+        return -1;
+    /* A run's (one job's): hidepid (made_ahead says why); gid: the group that sees everything anyway (the
+       default, 0, is every job's: root's). Rootless, the /proc mounted over this one at the job has it. */
+    int hide = !s->keep && !s->joined;
+    if (do_mount("proc", "proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, hide && !s->userxattr ? "hidepid=2,gid=65534" : NULL))
+        return -1;
+    if (!s->userxattr && (ahead_proc = keep_ahead("proc")) < 0)
         return -1;
     /* For no_namespaces(), before /proc/sys is read-only (ENOENT: a kernel without user namespace limits). */
     if ((user_limits = open("proc/sys/user", O_PATH | O_DIRECTORY | O_CLOEXEC)) < 0 && errno != ENOENT)
@@ -490,7 +574,7 @@ static int enter_root(const struct spec *s, int *cgroup, int scratch_fd[3]) {
         last_pid = open("proc/sys/kernel/ns_last_pid", O_RDWR | O_CLOEXEC);
         for (size_t i = 0; i < sizeof PROC_READONLY / sizeof *PROC_READONLY; i++) {
             snprintf(path, sizeof path, "proc/%s", PROC_READONLY[i]);
-            if (!stat(path, &st) && bind_readonly(path, path))
+            if (!stat(path, &st) && (keep_ahead(path) < 0 || bind_readonly(path, path)))
                 return -1;
         }
         for (size_t i = 0; i < sizeof PROC_MASKED / sizeof *PROC_MASKED; i++) {
@@ -508,6 +592,8 @@ static int enter_root(const struct spec *s, int *cgroup, int scratch_fd[3]) {
         do_mount("shm", "dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, opts) ||
         (scratch_fd[SHM] = open("dev/shm", O_PATH | O_DIRECTORY | O_CLOEXEC)) < 0)
         return fail("open /dev/shm: %s", strerror(errno));
+    if (keep_ahead("dev/shm") < 0 || (ahead_pts = keep_ahead("dev/pts")) < 0)
+        return -1;
     if (*s->console && do_mount(s->console, "dev/console", NULL, MS_BIND, NULL))
         return -1;
     for (int i = 0; i < s->nbinds; i++) {
@@ -1171,6 +1257,8 @@ static int first_job(const struct spec *s, const struct job *j, int scratch[3]) 
        sessions made on the host meanwhile, by the run before too: any number it chose to leave). */
     if (setsid() < 0)
         return fail("setsid: %s", strerror(errno));
+    if (made_ahead(s, scratch[LAYER], !s->keep && !s->joined))
+        return -1;
     if ((j->flags & ZYGOTE) && last_pid >= 0 && pid_keeper())
         return -1;
     if (last_pid >= 0)
