@@ -1214,17 +1214,14 @@ static int receive(const struct spec *s, char **data, size_t *len, int *owned, i
    cannot be mounted again from a user namespace). There a job saw every process of the run,
    the zygote's fault and CPU counters growing with each job, and its own pids, advancing with
    earlier jobs' forks: counts of the cases before it (red team: 184 faults, 2 pids a job).
-   So this /proc hides what a job may not trace (hidepid: the zygote, this init, the keeper),
-   and a keeper, forked before this init gives up its privileges over the namespace, puts its
+   So this /proc hides what a job may not trace (hidepid, as every run's: the zygote, this init, the
+   keeper), and a keeper, forked before this init gives up its privileges over the namespace, puts its
    pid counter back, when the zygote asks before each job, to what it was at the first ask:
    each job then gets the same pids. It does nothing else and is told nothing else (one byte
    each way on the socket it shares with the zygote, the command's descriptor 3). On the
    rootless backend each job mounts a /proc of its own: nothing to do. -1 with error[] set. */
 static int pid_keeper(void) {
     int pair[2];
-    /* gid: the group that sees everything anyway; the default, 0, is every job's (root's). */
-    if (mount(NULL, "/proc", NULL, MS_REMOUNT | MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2,gid=65534"))
-        return fail("hide /proc's processes: %s", strerror(errno));
     if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair))
         return fail("socketpair: %s", strerror(errno));
     pid_t p = fork();
