@@ -258,7 +258,7 @@ def fuse_mount(image: str, offset: int, target: str, timeout: float = 60.0) -> N
                     break
                 err = (err + chunk)[-65536:]
         else:
-            os.kill(pid, 9)
+            os.kill(pid, 9)  # SIGKILL
             err += f"\nno mount after {timeout:.0f} s".encode()
     finally:
         os.close(err_r)
