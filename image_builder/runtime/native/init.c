@@ -446,7 +446,8 @@ static int touch_tree(int dir, int depth) {
             continue;
         if (e->d_type == DT_DIR && depth < 64) {
             int sub = openat(dirfd(d), e->d_name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-            r = sub < 0 ? fail("open %s in the writable layer: %s", e->d_name, strerror(errno)) : touch_tree(sub, depth + 1);
+            r = sub < 0 ? fail("open %s in the writable layer: %s", e->d_name, strerror(errno))
+                        : touch_tree(sub, depth + 1);
         }
         if (!r && utimensat(dirfd(d), e->d_name, NULL, AT_SYMLINK_NOFOLLOW))
             r = fail("stamp %s in the writable layer: %s", e->d_name, strerror(errno));
@@ -460,16 +461,19 @@ static int touch_tree(int dir, int depth) {
     return r;
 }
 
+/* A run's root (one job's, not a sandbox's or a shell's) hides its init from the job (made_ahead). */
+static int hides_init(const struct spec *s) { return !s->keep && !s->joined; }
+
 /* A spare init builds its root while the run before it runs (runtime/holder_session.py asks for the
    next as a run starts): what the root was made with showed that time, and a run read how long the one
    before it took, to the millisecond, from /tmp's or /etc/hosts's ctime (red team: 0, 300 and 700 ms
    slept, read back). As its job comes, the init stamps them now: the writable layer's entries (/etc/hosts,
    mount points), the roots of /tmp, /dev/shm and /dev/pts (and ptmx), and /proc's root, the directories
    bound read-only in it and its symlinks. Rootless, /proc's root is not the init's to stamp: a new /proc
-   is mounted over it instead (the one under it lets a user namespace mount one). `hide`: its processes
-   but the command's hidden (hidepid; the init then is not the command's to trace): /proc/1's start time
-   and counters were the same clock. A kept layer (shell --persist) keeps its times. */
-static int made_ahead(const struct spec *s, int layer, int hide) {
+   is mounted over it instead (the one under it lets a user namespace mount one). A run's /proc
+   (hides_init) has its processes but the command's hidden (hidepid; the init then is not the command's to
+   trace): /proc/1's start time and counters were the same clock. A kept layer (shell --persist) keeps its times. */
+static int made_ahead(const struct spec *s, int layer) {
     char path[64];
     int r = 0;
     if (!*s->upper && layer >= 0) {
@@ -488,7 +492,7 @@ static int made_ahead(const struct spec *s, int layer, int hide) {
     n_ahead = 0;
     ahead_pts = ahead_proc = -1;
     if (!r && s->userxattr)
-        r = do_mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, hide ? "hidepid=2" : NULL);
+        r = do_mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, hides_init(s) ? "hidepid=2" : NULL);
     return r;
 }
 
@@ -556,8 +560,8 @@ static int enter_root(const struct spec *s, int *cgroup, int scratch_fd[3]) {
         return -1;
     /* A run's (one job's): hidepid (made_ahead says why); gid: the group that sees everything anyway (the
        default, 0, is every job's: root's). Rootless, the /proc mounted over this one at the job has it. */
-    int hide = !s->keep && !s->joined;
-    if (do_mount("proc", "proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, hide && !s->userxattr ? "hidepid=2,gid=65534" : NULL))
+    if (do_mount("proc", "proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                 hides_init(s) && !s->userxattr ? "hidepid=2,gid=65534" : NULL))
         return -1;
     if (!s->userxattr && (ahead_proc = keep_ahead("proc")) < 0)
         return -1;
@@ -1254,7 +1258,7 @@ static int first_job(const struct spec *s, const struct job *j, int scratch[3]) 
        sessions made on the host meanwhile, by the run before too: any number it chose to leave). */
     if (setsid() < 0)
         return fail("setsid: %s", strerror(errno));
-    if (made_ahead(s, scratch[LAYER], !s->keep && !s->joined))
+    if (made_ahead(s, scratch[LAYER]))
         return -1;
     if ((j->flags & ZYGOTE) && last_pid >= 0 && pid_keeper())
         return -1;
